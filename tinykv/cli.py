@@ -1,0 +1,188 @@
+"""Command line: `python -m tinykv {generate,fetch,calibrate,eval,bench}`; run.py is `generate`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+
+def is_user_error(e: BaseException) -> bool:
+    """Errors that deserve one line, not a traceback: bad input, missing files, tinykv's own errors."""
+    return isinstance(e, (ValueError, OSError)) or type(e).__module__.startswith("tinykv.")
+
+
+def add_model_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--weights", help="model directory (config.json + *.safetensors); default: SmolLM2-135M")
+    ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+
+
+def add_cache_args(ap: argparse.ArgumentParser, default_kv: str = "int8") -> None:
+    ap.add_argument("--kv", default=default_kv, help="KV cache spec, e.g. int8, k=int4:channel:asym,v=int4:g32")
+    ap.add_argument("--kv-scales", help="static scales from `tinykv calibrate`")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--device-blocks", type=int, help="KV pool size in blocks (default: what the requests need)")
+    ap.add_argument("--kv-memory", help="KV pool budget in bytes, e.g. 256M or 2G (instead of --device-blocks)")
+    ap.add_argument("--attention", default="auto", choices=["auto", "torch", "triton"])
+
+
+def load_model(args):
+    from .fetch import DEFAULT_DIR, fetch
+    from .model import Transformer
+
+    path = Path(args.weights) if args.weights else DEFAULT_DIR
+    if not args.weights and not (path / "config.json").exists():
+        fetch(path)
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    return Transformer.from_pretrained(path, device=args.device, dtype=dtype), path
+
+
+def parse_bytes(s: str) -> int:
+    units = {"K": 2**10, "M": 2**20, "G": 2**30}
+    s = s.strip().upper().removesuffix("B").removesuffix("I")
+    try:
+        return int(float(s[:-1]) * units[s[-1]]) if s and s[-1] in units else int(s)
+    except ValueError:
+        raise ValueError(f"bad byte size '{s}' (expected e.g. 512M or 2G)") from None
+
+
+def make_cache(model, args, tokens_needed: int, max_seqs: int = 16, max_step_tokens: int = 512):
+    """Build the paged cache the flags describe; the pool is sized from blocks, bytes, or need."""
+    from .cache import PagedKVCache
+    from .quant import KVSpec
+
+    spec = KVSpec.parse(args.kv)
+    static = None
+    if args.kv_scales:
+        from .calibrate import load_scales
+        static = load_scales(args.kv_scales, model.cfg, spec)
+    dev = next(model.parameters()).device
+    attention = args.attention
+    if attention == "auto":
+        attention = "triton" if dev.type == "cuda" else "torch"
+    bs = args.block_size
+    if bs < 1:
+        raise ValueError("--block-size must be >= 1")
+    mk = lambda n: PagedKVCache(model.cfg, spec, n, bs, max_seqs=max_seqs, max_step_tokens=max_step_tokens,
+                                device=dev, dtype=next(model.parameters()).dtype, static_scales=static,
+                                attention=attention)
+    if args.device_blocks:
+        return mk(args.device_blocks)
+    if args.kv_memory:
+        per_block = mk(1).bytes_per_token * bs
+        return mk(max(1, int(parse_bytes(args.kv_memory) // per_block)))
+    return mk(max(8, math.ceil(tokens_needed / bs) + 2 * max_seqs))
+
+
+def read_prompts(args) -> list[str]:
+    prompts = list(args.prompt)
+    if args.prompt_file:
+        text = Path(args.prompt_file).read_text()
+        # One prompt per line when several lines are given; a single (long) document otherwise
+        lines = [ln for ln in text.splitlines() if ln.strip()]
+        prompts += [text] if args.whole_file or len(lines) <= 1 else lines
+    if not prompts:
+        raise ValueError("no prompt given (pass PROMPT or --prompt-file)")
+    return prompts
+
+
+def cmd_generate(args) -> None:
+    from .generate import Engine, Sampling
+    from .tokenizer import StreamDecoder, Tokenizer
+
+    model, path = load_model(args)
+    tok = Tokenizer.from_dir(path)
+    prompts = read_prompts(args)
+    texts = [tok.apply_chat_template([{"role": "user", "content": p}]) if args.chat else p for p in prompts]
+    ids = [tok.encode(t) for t in texts]
+    samp = Sampling(args.temperature, args.top_k, args.top_p, args.max_new_tokens, args.seed)
+    if args.seed is not None:
+        torch.manual_seed(args.seed)
+    n_seqs = len(ids) * args.n
+    need = sum(len(i) + args.max_new_tokens for i in ids) * args.n
+    cache = make_cache(model, args, need, max_seqs=min(n_seqs, args.max_batch))
+    eng = Engine(model, cache, eos_ids=tok.eos_ids, max_batch=args.max_batch)
+    rids = [eng.add(i, samp, n=args.n) for i in ids]
+    stream = len(rids) == 1 and args.n == 1 and not args.json
+    dec = StreamDecoder(tok, skip_special_tokens=True)
+    t0 = time.perf_counter()
+    for rid, t in eng.run():
+        if stream:
+            print(dec.feed(t), end="", flush=True)
+    wall = time.perf_counter() - t0
+    reqs = sorted(eng.requests.values(), key=lambda r: r.rid)
+    st = eng.stats
+    stats = {
+        "prefill_tokens_per_s": st.prefill_tokens / st.prefill_s if st.prefill_s else 0.0,
+        "decode_tokens_per_s": st.decode_tokens / st.decode_s if st.decode_s else 0.0,
+        "total_tokens_per_s": sum(len(r.new_ids) for r in reqs) / wall if wall else 0.0,
+        "kv_spec": str(cache.spec), "kv_bytes_per_token": cache.bytes_per_token, "kv_pool_bytes": cache.nbytes,
+        "blocks_used": cache.peak_blocks, "blocks_total": cache.num_blocks, "preemptions": st.preemptions,
+        "saturated_values": cache.saturated, "attention": cache.attention,
+    }
+    results = [{"prompt_ids": r.tokens[:r.prompt_len], "new_ids": r.new_ids, "text": tok.decode(r.new_ids),
+                "finish": r.finish} for r in reqs]
+    if args.json:
+        print(json.dumps({**results[0], "stats": stats, "results": results}))
+        return
+    if stream:
+        print(dec.flush() if hasattr(dec, "flush") else "")
+    else:
+        for r, res in zip(reqs, results):
+            print(f"--- [{r.rid}] {tok.decode(r.tokens[:r.prompt_len])!r}\n{res['text']}")
+    print(f"[tinykv] prefill {stats['prefill_tokens_per_s']:.1f} tok/s, decode {stats['decode_tokens_per_s']:.1f}"
+          f" tok/s, kv {cache.spec} {cache.bytes_per_token:.0f} B/token, {cache.peak_blocks}/{cache.num_blocks}"
+          " blocks", file=sys.stderr)
+
+
+def cmd_fetch(args) -> None:
+    from .fetch import DEFAULT_DIR, fetch
+
+    print(fetch(Path(args.dest) if args.dest else DEFAULT_DIR, force=args.force))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="tinykv", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("generate", help="generate text")
+    g.add_argument("prompt", nargs="*")
+    g.add_argument("--prompt-file", help="a file: one prompt per line (or one document, with --whole-file)")
+    g.add_argument("--whole-file", action="store_true", help="treat --prompt-file as a single prompt")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.7)
+    g.add_argument("--top-k", type=int, default=50)
+    g.add_argument("--top-p", type=float, default=0.95)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    g.add_argument("-n", type=int, default=1, help="samples per prompt (forked from one prefill)")
+    g.add_argument("--max-batch", type=int, default=16, help="sequences decoded together")
+    g.add_argument("--json", action="store_true", help="print one JSON object with ids, text and stats")
+    add_model_args(g)
+    add_cache_args(g)
+    g.set_defaults(fn=cmd_generate)
+    f = sub.add_parser("fetch", help="download and convert the default model")
+    f.add_argument("--dest")
+    f.add_argument("--force", action="store_true")
+    f.set_defaults(fn=cmd_fetch)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.fn(args)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:
+        if not is_user_error(e):
+            raise
+        print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+        return 1
+    return 0

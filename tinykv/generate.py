@@ -1,0 +1,195 @@
+"""Generation: sampling, and a continuous-batching engine over the paged KV cache.
+
+Every request is a list of known tokens (prompt + generated so far) of which the first `cached`
+are in the cache. One engine step feeds each running request its next uncached tokens (a prefill
+chunk, or the one token sampled last step), runs the model once over the packed batch, and
+samples where a request has consumed all its known tokens. Prefill and decode are the same step;
+a finished request leaves and a waiting one joins between steps. When the block pool runs dry,
+the newest request is preempted: its blocks are freed and it is recomputed later.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from .cache import PagedKVCache, PoolExhausted
+from .model import Transformer
+
+
+@dataclass
+class Sampling:
+    temperature: float = 0.8
+    top_k: int = 0
+    top_p: float = 1.0
+    max_new_tokens: int = 128
+    seed: int | None = None
+
+
+def sample(logits: torch.Tensor, s: Sampling, gen: torch.Generator | None) -> int:
+    """One token from a (V,) row of logits: greedy at temperature 0, else top-k / top-p sampling."""
+    if s.temperature <= 0:
+        return int(torch.argmax(logits))
+    logits = logits.float() / s.temperature
+    if s.top_k > 0:
+        kth = torch.topk(logits, min(s.top_k, logits.numel())).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if s.top_p < 1.0:
+        sp, idx = torch.sort(probs, descending=True)
+        drop = torch.cumsum(sp, 0) - sp > s.top_p  # keep the smallest set whose mass reaches top_p
+        probs = torch.zeros_like(probs).scatter(0, idx, sp.masked_fill(drop, 0.0))
+    return int(torch.multinomial(probs.cpu(), 1, generator=gen))
+
+
+@dataclass
+class Request:
+    rid: int
+    prompt_len: int
+    tokens: list[int]
+    sampling: Sampling
+    n: int = 1  # samples wanted: forked from this request once its prompt is in the cache
+    cached: int = 0
+    gen: torch.Generator | None = None
+    finish: str | None = None
+    t_first: float | None = None  # when its first new token was sampled
+
+    @property
+    def new_ids(self) -> list[int]:
+        return self.tokens[self.prompt_len:]
+
+
+@dataclass
+class Stats:
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    steps: int = 0
+    preemptions: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class Engine:
+    def __init__(self, model: Transformer, cache: PagedKVCache, eos_ids: set[int] | None = None,
+                 max_batch: int = 16, prefill_chunk: int = 512):
+        self.model, self.cache = model, cache
+        self.eos_ids = eos_ids or set()
+        self.max_batch, self.chunk = max_batch, prefill_chunk
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[int, Request] = {}
+        self.stats = Stats()
+        self._next_id = 0
+
+    def add(self, prompt: list[int], sampling: Sampling, n: int = 1) -> int:
+        limit = self.model.cfg.max_seq_len
+        if not prompt:
+            raise ValueError("empty prompt")
+        if len(prompt) >= limit:
+            raise ValueError(f"prompt has {len(prompt)} tokens; the model's context is {limit}")
+        rid = self._new_request(list(prompt), len(prompt), sampling, n)
+        self.waiting.append(self.requests[rid])
+        return rid
+
+    def _new_request(self, tokens, prompt_len, sampling, n=1) -> int:
+        rid, self._next_id = self._next_id, self._next_id + 1
+        gen = None
+        if sampling.seed is not None:
+            gen = torch.Generator().manual_seed(sampling.seed + rid)
+        self.requests[rid] = Request(rid, prompt_len, tokens, sampling, n, gen=gen)
+        return rid
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.max_batch:
+            r = self.waiting[0]
+            need = self.cache.blocks_needed(r.rid, len(r.tokens))
+            if self.running and need > self.cache.blocks_free:
+                break  # wait for running requests to finish and free blocks
+            self.waiting.popleft()
+            r.cached = self.cache.add_sequence(r.rid, r.tokens)
+            self.running.append(r)
+
+    def _preempt(self) -> None:
+        r = self.running.pop()  # the newest
+        self.cache.free(r.rid)
+        r.cached = 0
+        self.waiting.appendleft(r)
+        self.stats.preemptions += 1
+
+    def step(self) -> list[tuple[int, int]]:
+        """One model step over all running requests; returns the (request id, token) pairs sampled."""
+        self._admit()
+        if not self.running:
+            return []
+        budget, feed = self.chunk, []
+        for r in self.running:
+            n = min(len(r.tokens) - r.cached, max(budget, 1))
+            feed.append(r.tokens[r.cached:r.cached + n])
+            budget -= n
+        t0 = time.perf_counter()
+        try:
+            plan = self.cache.plan([r.rid for r in self.running], feed)
+        except PoolExhausted:
+            if len(self.running) == 1:
+                raise
+            self._preempt()  # plan() allocates nothing when it fails
+            return self.step()
+        logits = self.model(torch.tensor(sum(feed, []), dtype=torch.long, device=plan.positions.device), plan)
+        self.cache.commit(plan)
+        out = []
+        for i, (r, toks) in enumerate(zip(list(self.running), feed)):
+            r.cached += len(toks)
+            if r.cached < len(r.tokens):
+                continue  # still prefilling
+            for child in self._fork(r):
+                tok = sample(logits[i], child.sampling, child.gen)
+                child.tokens.append(tok)
+                out.append((child.rid, tok))
+                self._check_done(child, tok)
+        dt = time.perf_counter() - t0
+        n_tok = sum(len(t) for t in feed)
+        decoding = all(len(t) == 1 for t in feed) and self.stats.steps > 0
+        if decoding:
+            self.stats.decode_tokens += n_tok
+            self.stats.decode_s += dt
+        else:
+            self.stats.prefill_tokens += n_tok
+            self.stats.prefill_s += dt
+        self.stats.steps += 1
+        for r in [r for r in self.running if r.finish]:
+            self.running.remove(r)
+            self.cache.free(r.rid)
+        return out
+
+    def _fork(self, r: Request) -> list[Request]:
+        """The first time a request with n > 1 samples, split it into n sequences sharing its blocks."""
+        if r.n == 1:
+            return [r]
+        kids = [r]
+        for _ in range(r.n - 1):
+            cid = self._new_request(list(r.tokens), r.prompt_len, r.sampling)
+            self.cache.fork(r.rid, cid)
+            child = self.requests[cid]
+            child.cached = r.cached
+            self.running.append(child)
+            kids.append(child)
+        r.n = 1
+        return kids
+
+    def _check_done(self, r: Request, tok: int) -> None:
+        if r.t_first is None:
+            r.t_first = time.perf_counter()
+        if tok in self.eos_ids:
+            r.finish = "stop"
+        elif len(r.new_ids) >= r.sampling.max_new_tokens or len(r.tokens) >= self.model.cfg.max_seq_len:
+            r.finish = "length"
+
+    def run(self) -> Iterator[tuple[int, int]]:
+        """Step until every request has finished, yielding (request id, token) as they come."""
+        while self.waiting or self.running:
+            yield from self.step()

@@ -1,0 +1,322 @@
+"""Full definition of the tinykv decoder, all of it in this single file.
+
+Two families share one Transformer: the Llama family (llama, mistral, qwen2: RMSNorm, RoPE,
+SwiGLU) and the GPT-2 family (gpt2, gpt_bigcode: LayerNorm, learned positions, GELU). Multi-head,
+multi-query and grouped-query attention all come from one number, `n_kv_heads`.
+
+`Transformer.forward(tokens, plan=None)` runs plain causal attention over a (B, T) batch: the
+reference every cached path is tested against. With a `plan` (see cache.py) the tokens are a
+packed 1-D stream of several sequences, and each layer writes its keys/values into the paged
+cache and attends through it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+LLAMA_FAMILY = ("llama", "mistral", "qwen2")
+GPT2_FAMILY = ("gpt2", "gpt_bigcode")
+
+
+class ModelError(RuntimeError):
+    """A user-facing problem with a checkpoint (missing, corrupt, unsupported)."""
+
+
+@dataclass
+class Config:
+    model_type: str = "llama"
+    vocab_size: int = 32000
+    dim: int = 512
+    n_layers: int = 8
+    n_heads: int = 8
+    n_kv_heads: int = 8
+    head_dim: int = 0  # 0: dim // n_heads
+    ffn_dim: int = 1376
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_seq_len: int = 2048
+    tie_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    gelu_tanh: bool = True  # GPT-2's "gelu_new" is the tanh approximation
+    bos_token_id: int | None = None
+    eos_token_id: list[int] = field(default_factory=list)
+
+    def __post_init__(self):
+        if self.model_type not in LLAMA_FAMILY + GPT2_FAMILY:
+            raise ModelError(f"unsupported architecture '{self.model_type}' "
+                             f"(supported: {', '.join(LLAMA_FAMILY + GPT2_FAMILY)})")
+        self.head_dim = self.head_dim or self.dim // self.n_heads
+        if self.n_heads % self.n_kv_heads:
+            raise ModelError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+        self.n_rep = self.n_heads // self.n_kv_heads
+        self.gpt2_style = self.model_type in GPT2_FAMILY
+
+    @classmethod
+    def from_hf(cls, d: dict[str, Any]) -> Config:
+        """Map a Hugging Face config.json onto Config: the one place HF field names appear."""
+        mt = d.get("model_type", "")
+        eos = d.get("eos_token_id")
+        eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        if mt in GPT2_FAMILY:
+            dim, n_heads = d["n_embd"], d["n_head"]
+            act = d.get("activation_function", "gelu_new")
+            if act not in ("gelu_new", "gelu_pytorch_tanh", "gelu"):
+                raise ModelError(f"unsupported activation '{act}'")
+            if d.get("scale_attn_by_inverse_layer_idx") or d.get("scale_attn_weights") is False:
+                raise ModelError("unsupported attention scaling in config.json")
+            return cls(model_type=mt, vocab_size=d["vocab_size"], dim=dim, n_layers=d["n_layer"],
+                       n_heads=n_heads, n_kv_heads=1 if d.get("multi_query") else n_heads,
+                       ffn_dim=d.get("n_inner") or 4 * dim, norm_eps=d.get("layer_norm_epsilon", 1e-5),
+                       max_seq_len=d.get("n_positions", 1024), tie_embeddings=True, qkv_bias=True,
+                       o_bias=True, mlp_bias=True, gelu_tanh=act != "gelu", bos_token_id=d.get("bos_token_id"), eos_token_id=eos)
+        if mt not in LLAMA_FAMILY:
+            raise ModelError(f"unsupported architecture '{mt or '?'}' "
+                             f"(supported: {', '.join(LLAMA_FAMILY + GPT2_FAMILY)})")
+        if d.get("hidden_act", "silu") != "silu":
+            raise ModelError(f"unsupported activation '{d['hidden_act']}'")
+        rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+        theta = d.get("rope_theta", rope.get("rope_theta", 10000.0))
+        rtype = rope.get("rope_type", rope.get("type", "default"))
+        if rtype not in ("default", "llama3"):
+            raise ModelError(f"unsupported rope_scaling type '{rtype}'")
+        attn_bias = d.get("attention_bias", False)
+        return cls(model_type=mt, vocab_size=d["vocab_size"], dim=d["hidden_size"],
+                   n_layers=d["num_hidden_layers"], n_heads=d["num_attention_heads"],
+                   n_kv_heads=d.get("num_key_value_heads") or d["num_attention_heads"],
+                   head_dim=d.get("head_dim") or 0, ffn_dim=d["intermediate_size"],
+                   norm_eps=d.get("rms_norm_eps", 1e-6), rope_theta=theta,
+                   rope_scaling=rope if rtype == "llama3" else None,
+                   max_seq_len=d.get("max_position_embeddings", 2048),
+                   tie_embeddings=d.get("tie_word_embeddings", False),
+                   qkv_bias=attn_bias or mt == "qwen2", o_bias=attn_bias,
+                   mlp_bias=d.get("mlp_bias", False), bos_token_id=d.get("bos_token_id"), eos_token_id=eos)
+
+
+def rope_tables(cfg: Config, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of shape (max_seq_len, head_dim), in float32, rotate-half layout."""
+    hd = cfg.head_dim
+    inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64, device=device) / hd)
+    if cfg.rope_scaling:  # llama3: long wavelengths slowed by `factor`, short ones kept, smooth between
+        s = cfg.rope_scaling
+        factor, lo, hi = s["factor"], s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
+        old_len = s["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_len / wavelen - lo) / (hi - lo)
+        mid = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        inv_freq = torch.where(wavelen > old_len / lo, inv_freq / factor,
+                               torch.where(wavelen < old_len / hi, inv_freq, mid))
+    t = torch.arange(cfg.max_seq_len, dtype=torch.float64, device=device)
+    freqs = torch.outer(t, inv_freq)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().float(), emb.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x (..., n, hd); cos/sin broadcastable (..., 1, hd)
+    half = x.shape[-1] // 2
+    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x * cos + rot * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: Config, layer: int):
+        super().__init__()
+        self.cfg, self.layer = cfg, layer
+        self.q_size, self.kv_size = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+        self.wqkv = nn.Linear(cfg.dim, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.wo = nn.Linear(self.q_size, cfg.dim, bias=cfg.o_bias)
+
+    def forward(self, x: torch.Tensor, cos, sin, plan=None) -> torch.Tensor:
+        cfg = self.cfg
+        q, k, v = self.wqkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        lead = x.shape[:-1]
+        q = q.view(*lead, cfg.n_heads, cfg.head_dim)
+        k = k.view(*lead, cfg.n_kv_heads, cfg.head_dim)
+        v = v.view(*lead, cfg.n_kv_heads, cfg.head_dim)
+        if cos is not None:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if plan is not None:  # packed (N, heads, hd): the cache stores and serves K/V
+            plan.cache.write(self.layer, k, v, plan)
+            o = plan.cache.attend(self.layer, q, plan)  # (N, n_heads, hd)
+        else:  # reference: plain causal attention over (B, T)
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, hd)
+            k = k.repeat_interleave(cfg.n_rep, dim=1)
+            v = v.repeat_interleave(cfg.n_rep, dim=1)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+        return self.wo(o.reshape(*lead, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.gpt2_style = cfg.gpt2_style
+        self.gelu = "tanh" if cfg.gelu_tanh else "none"
+        n_in = cfg.ffn_dim if cfg.gpt2_style else 2 * cfg.ffn_dim  # llama: gate and up fused
+        self.w_in = nn.Linear(cfg.dim, n_in, bias=cfg.mlp_bias)
+        self.w_out = nn.Linear(cfg.ffn_dim, cfg.dim, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.w_in(x)
+        if self.gpt2_style:
+            return self.w_out(F.gelu(h, approximate=self.gelu))
+        gate, up = h.chunk(2, dim=-1)
+        return self.w_out(F.silu(gate) * up)
+
+
+def make_norm(cfg: Config) -> nn.Module:
+    if cfg.gpt2_style:
+        return nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
+    return nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: Config, layer: int):
+        super().__init__()
+        self.norm1, self.attn = make_norm(cfg), Attention(cfg, layer)
+        self.norm2, self.mlp = make_norm(cfg), MLP(cfg)
+
+    def forward(self, x, cos, sin, plan=None):
+        x = x + self.attn(self.norm1(x), cos, sin, plan)
+        return x + self.mlp(self.norm2(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.pos_embed = nn.Embedding(cfg.max_seq_len, cfg.dim) if cfg.gpt2_style else None
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        self.norm = make_norm(cfg)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        if not cfg.gpt2_style:
+            cos, sin = rope_tables(cfg)
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, plan=None) -> torch.Tensor:
+        """tokens (B, T) -> logits (B, T, V) without a plan; packed (N,) -> (len(plan.logits_idx), V)."""
+        if plan is None:
+            positions = torch.arange(tokens.shape[-1], device=tokens.device)
+        else:
+            positions = plan.positions  # (N,)
+        if positions.numel() and int(positions.max()) >= self.cfg.max_seq_len:
+            raise ModelError(f"sequence longer than the model's context ({self.cfg.max_seq_len} tokens)")
+        x = self.embed(tokens)
+        cos = sin = None
+        if self.pos_embed is not None:
+            x = x + self.pos_embed(positions)
+        else:  # (..., T, 1, hd) broadcasts over heads
+            cos, sin = self.rope_cos[positions].unsqueeze(-2), self.rope_sin[positions].unsqueeze(-2)
+            cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        for block in self.layers:
+            x = block(x, cos, sin, plan)
+        if plan is not None and plan.logits_idx is not None:
+            x = x[plan.logits_idx]  # only the rows we sample from: the vocab matmul is costly
+        return self.lm_head(self.norm(x)).float()
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, device: str | torch.device | None = None,
+                        dtype: torch.dtype | None = None) -> Transformer:
+        """Load config.json + *.safetensors (single file or sharded) from a directory."""
+        path = Path(path)
+        if not path.is_dir():
+            raise ModelError(f"weights directory not found: {path}")
+        if not (path / "config.json").is_file():
+            raise ModelError(f"no config.json in {path}")
+        try:
+            cfg = Config.from_hf(json.loads((path / "config.json").read_text()))
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ModelError(f"malformed config.json in {path}: {e!r}") from None
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+        hf = load_safetensors(path)
+        with torch.device("meta"):
+            model = cls(cfg)
+        sd = convert_hf_state_dict(cfg, hf)
+        model.load_state_dict(sd, strict=False, assign=True)
+        if cfg.tie_embeddings:
+            model.lm_head.weight = model.embed.weight
+        missing = [n for n, p in model.named_parameters() if p.is_meta]
+        if missing:
+            raise ModelError(f"checkpoint in {path} lacks tensors for: {', '.join(missing[:3])}")
+        if not cfg.gpt2_style:
+            model.rope_cos, model.rope_sin = rope_tables(cfg)
+        return model.to(device=device, dtype=dtype).eval()
+
+
+def load_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelError(f"no *.safetensors files in {path}")
+    out = {}
+    for f in files:
+        try:
+            out.update(load_file(str(f)))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise ModelError(f"corrupt safetensors file {f}: {str(e).splitlines()[0]}") from None
+    return out
+
+
+def convert_hf_state_dict(cfg: Config, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Hugging Face tensor names -> tinykv names: the one place the two naming schemes meet."""
+    hf = {k.removeprefix("model.").removeprefix("transformer."): v for k, v in hf.items()}
+
+    def get(name: str) -> torch.Tensor:
+        if name not in hf:
+            raise ModelError(f"checkpoint lacks tensor '{name}'")
+        return hf[name].float()
+
+    sd: dict[str, torch.Tensor] = {}
+    if cfg.gpt2_style:
+        conv1d = cfg.model_type == "gpt2"  # gpt2 stores (in, out); gpt_bigcode uses nn.Linear (out, in)
+        lin = (lambda w: w.t().contiguous()) if conv1d else (lambda w: w)
+        sd["embed.weight"], sd["pos_embed.weight"] = get("wte.weight"), get("wpe.weight")
+        sd["norm.weight"], sd["norm.bias"] = get("ln_f.weight"), get("ln_f.bias")
+        for i in range(cfg.n_layers):
+            p, o = f"h.{i}.", f"layers.{i}."
+            pairs = {"norm1": "ln_1", "norm2": "ln_2", "attn.wqkv": "attn.c_attn", "attn.wo": "attn.c_proj",
+                     "mlp.w_in": "mlp.c_fc", "mlp.w_out": "mlp.c_proj"}
+            for ours, theirs in pairs.items():
+                w = get(p + theirs + ".weight")
+                sd[o + ours + ".weight"] = w if ours.startswith("norm") else lin(w)
+                sd[o + ours + ".bias"] = get(p + theirs + ".bias")
+        return sd
+    sd["embed.weight"], sd["norm.weight"] = get("embed_tokens.weight"), get("norm.weight")
+    if not cfg.tie_embeddings:
+        sd["lm_head.weight"] = hf["lm_head.weight"].float() if "lm_head.weight" in hf else get("lm_head.weight")
+    for i in range(cfg.n_layers):
+        p, o = f"layers.{i}.", f"layers.{i}."
+        sd[o + "norm1.weight"] = get(p + "input_layernorm.weight")
+        sd[o + "norm2.weight"] = get(p + "post_attention_layernorm.weight")
+        a = p + "self_attn."
+        sd[o + "attn.wqkv.weight"] = torch.cat([get(a + f"{n}_proj.weight") for n in "qkv"])
+        if cfg.qkv_bias:
+            sd[o + "attn.wqkv.bias"] = torch.cat([get(a + f"{n}_proj.bias") for n in "qkv"])
+        sd[o + "attn.wo.weight"] = get(a + "o_proj.weight")
+        if cfg.o_bias:
+            sd[o + "attn.wo.bias"] = get(a + "o_proj.bias")
+        m = p + "mlp."
+        sd[o + "mlp.w_in.weight"] = torch.cat([get(m + "gate_proj.weight"), get(m + "up_proj.weight")])
+        sd[o + "mlp.w_out.weight"] = get(m + "down_proj.weight")
+        if cfg.mlp_bias:
+            sd[o + "mlp.w_in.bias"] = torch.cat([get(m + "gate_proj.bias"), get(m + "up_proj.bias")])
+            sd[o + "mlp.w_out.bias"] = get(m + "down_proj.bias")
+    return sd
