@@ -54,7 +54,7 @@ def make_hf_model(kind: str, n_heads: int, n_kv: int, hd: int, out: Path, seed: 
         model = tf.GPTBigCodeForCausalLM(cfg)
     # Random init leaves norms at 1 and biases at 0: perturb them so they are really tested.
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for _, p in model.named_parameters():
             if p.dim() == 1:
                 p.add_(0.1 * torch.randn_like(p))
     model = model.float().eval()

@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from hf_tiny import ARCHS, make_hf_model
+
 from tinykv.cache import PagedKVCache
 from tinykv.model import Transformer
 from tinykv.quant import KVSpec
@@ -54,3 +54,12 @@ def test_bad_inputs(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "mamba"}')
     with pytest.raises(ModelError, match="unsupported architecture 'mamba'"):
         Transformer.from_pretrained(tmp_path)
+
+
+def test_corrupt_safetensors(tmp_path):
+    from tinykv.model import ModelError
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "vocab_size": 8, "hidden_size": 8, '
+                                          '"num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 8}')
+    (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    with pytest.raises(ModelError, match="corrupt safetensors"):
+        Transformer.from_pretrained(tmp_path, device="cpu")

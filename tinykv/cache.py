@@ -104,7 +104,8 @@ class PagedKVCache:
         # Hot blocks: each sequence's sink, residual window and tail, plus the blocks one step may
         # fill before `commit` quantizes them.
         uses_hot = self.needs_tail or spec.sink or spec.residual
-        self.n_hot = (self.sink_blocks + self.res_blocks + 2) * max_seqs + max_step_tokens // block_size if uses_hot else 0
+        per_seq = self.sink_blocks + self.res_blocks + 2
+        self.n_hot = per_seq * max_seqs + max_step_tokens // block_size if uses_hot else 0
         self.hot = torch.zeros(2, L, self.n_hot, H, block_size, D, dtype=dtype, device=device)  # K, V
         self.alloc = {STORE: Allocator(num_blocks), HOT: Allocator(self.n_hot)}
         self.seqs: dict[int, SeqState] = {}
@@ -113,8 +114,8 @@ class PagedKVCache:
 
     def _make_pool(self, p: QuantParams, nb: int, kv: str, static: dict | None) -> dict:
         L, H, D, BS = self.cfg.n_layers, self.cfg.n_kv_heads, self.cfg.head_dim, self.bs
-        pool = {"p": p, "data": torch.zeros(L, nb, H, BS, D // p.per_byte, dtype=p.storage_dtype, device=self.device),
-                "scale": None, "zero": None}
+        data = torch.zeros(L, nb, H, BS, D // p.per_byte, dtype=p.storage_dtype, device=self.device)
+        pool = {"p": p, "data": data, "scale": None, "zero": None}
         if p.is_float:
             return pool
         if p.static:  # one set per layer, shared by every block: (L, 1, H|1, 1, G)

@@ -12,7 +12,6 @@ from pathlib import Path
 import torch
 
 
-
 def is_user_error(e: BaseException) -> bool:
     """Errors that deserve one line, not a traceback: bad input, missing files, tinykv's own errors."""
     return isinstance(e, (ValueError, OSError)) or type(e).__module__.startswith("tinykv.")
@@ -113,7 +112,7 @@ def cmd_generate(args) -> None:
     stream = len(rids) == 1 and args.n == 1 and not args.json
     dec = StreamDecoder(tok, skip_special_tokens=True)
     t0 = time.perf_counter()
-    for rid, t in eng.run():
+    for _, t in eng.run():
         if stream:
             print(dec.feed(t), end="", flush=True)
     wall = time.perf_counter() - t0

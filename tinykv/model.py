@@ -79,7 +79,8 @@ class Config:
                        n_heads=n_heads, n_kv_heads=1 if d.get("multi_query") else n_heads,
                        ffn_dim=d.get("n_inner") or 4 * dim, norm_eps=d.get("layer_norm_epsilon", 1e-5),
                        max_seq_len=d.get("n_positions", 1024), tie_embeddings=True, qkv_bias=True,
-                       o_bias=True, mlp_bias=True, gelu_tanh=act != "gelu", bos_token_id=d.get("bos_token_id"), eos_token_id=eos)
+                       o_bias=True, mlp_bias=True, gelu_tanh=act != "gelu", bos_token_id=d.get("bos_token_id"),
+                       eos_token_id=eos)
         if mt not in LLAMA_FAMILY:
             raise ModelError(f"unsupported architecture '{mt or '?'}' "
                              f"(supported: {', '.join(LLAMA_FAMILY + GPT2_FAMILY)})")

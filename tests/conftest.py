@@ -1,0 +1,38 @@
+"""Shared pytest fixtures: the default model (SmolLM2-135M-Instruct) and its reference outputs.
+
+The model is fetched once, into tinykv's default weights folder, so later runs (and `run.py`) reuse it.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tinykv.fetch import DEFAULT_DIR, GGUF_NAME, fetch
+
+GOLDENS = Path(__file__).resolve().parent / "goldens" / "smollm2.json"
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The converted model folder (config.json, model.safetensors, tokenizer files, the GGUF copy)."""
+    return fetch(DEFAULT_DIR)
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The original GGUF file, alone in a folder of its own (as a symlink).
+
+    transformers' `from_pretrained(path.parent, gguf_file=path.name)` prefers a folder's own
+    tokenizer_config.json / tokenizer.json to the GGUF's metadata; next to tinykv's converted files
+    it would silently test tinykv against itself.
+    """
+    alone = tmp_path_factory.mktemp("gguf_alone") / GGUF_NAME
+    alone.symlink_to(smollm2_dir / GGUF_NAME)
+    return alone
+
+
+@pytest.fixture(scope="session")
+def smollm2_goldens() -> dict:
+    """tests/goldens/smollm2.json, made by tests/make_goldens.py with transformers on the GGUF."""
+    return json.loads(GOLDENS.read_text(encoding="utf-8"))

@@ -1,0 +1,117 @@
+"""Tokenizer: text <-> token ids, the model's chat template, and streaming detokenization.
+
+A thin layer over the `tokenizers` library (which does the BPE work from `tokenizer.json`) plus the
+few facts that live in the other files of a Hugging Face-style model folder: BOS/EOS tokens, whether
+to add BOS, and the Jinja chat template (rendered with `jinja2`, as transformers does).
+"""
+
+import json
+from pathlib import Path
+
+from jinja2.exceptions import TemplateError
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+
+class TokenizerError(ValueError):
+    """A missing or unusable tokenizer file; the message is one line meant for the user."""
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+
+
+def _as_set(value) -> set[int]:  # eos_token_id may be absent, one id, or a list of ids
+    return set() if value is None else {int(v) for v in (value if isinstance(value, list) else [value])}
+
+
+class Tokenizer:
+    """encode/decode with a model's tokenizer.json; `eos_ids` are all the ids that end generation."""
+
+    def __init__(self, tok: HFTokenizer, chat_template: str | None, bos_token: str | None,
+                 eos_token: str | None, add_bos: bool, eos_ids: set[int]):
+        self.tok, self.chat_template, self.add_bos, self.eos_ids = tok, chat_template, add_bos, eos_ids
+        self.bos_token, self.eos_token = bos_token, eos_token
+        self.bos_id = tok.token_to_id(bos_token) if bos_token else None
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "Tokenizer":
+        path = Path(path)
+        if not (path / "tokenizer.json").exists():
+            raise TokenizerError(f"no tokenizer.json in {path} (`python -m tinykv fetch` gets the default)")
+        tok = HFTokenizer.from_file(str(path / "tokenizer.json"))
+        tcfg = _read_json(path / "tokenizer_config.json")
+        names = {k: v["content"] if isinstance(v, dict) else v  # a string, or an AddedToken-style dict
+                 for k in ("bos_token", "eos_token") if (v := tcfg.get(k))}
+        eos = _as_set(_read_json(path / "config.json").get("eos_token_id"))
+        eos |= _as_set(_read_json(path / "generation_config.json").get("eos_token_id"))
+        eos |= _as_set(tok.token_to_id(names.get("eos_token", "")))
+        template = tcfg.get("chat_template")
+        if isinstance(template, list):  # several named templates: use the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        # A chat turn ends with the terminator the template writes after each message (e.g. <|im_end|>);
+        # a model that emits it is done even when the config names another eos token.
+        eos |= {tok.token_to_id(a.content) for a in tok.get_added_tokens_decoder().values()
+                if a.special and a.content in (template or "") and ("end" in a.content or "eot" in a.content)}
+        return cls(tok, template, names.get("bos_token"), names.get("eos_token"),
+                   bool(tcfg.get("add_bos_token", False)), eos)
+
+    def encode(self, text: str) -> list[int]:
+        # Special tokens written in the text (e.g. "<|im_start|>") become their single ids.
+        ids = self.tok.encode(text, add_special_tokens=False).ids
+        return [self.bos_id, *ids] if self.add_bos and self.bos_id is not None else ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise TokenizerError("this model has no chat template; run without --chat")
+
+        def raise_exception(message: str):
+            raise TemplateError(message)
+
+        # Same environment settings as transformers, so the rendered text matches it byte for byte.
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        env.globals["raise_exception"] = raise_exception
+        env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
+        try:
+            return env.from_string(self.chat_template).render(
+                messages=messages, add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        except TemplateError as e:
+            raise TokenizerError(f"chat template failed: {e}") from e
+
+
+class StreamDecoder:
+    """Turns ids arriving one at a time into text pieces, never splitting a multi-byte character.
+
+    Decoding ids one by one would break characters whose UTF-8 bytes span several tokens, and some
+    decoders change a piece depending on what precedes it. So each step decodes a short window
+    (the previous piece + new ids) and emits only what extends the previous piece's text, holding
+    back while the text ends in U+FFFD (an incomplete character).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False):
+        self.tokenizer, self.skip = tokenizer, skip_special_tokens
+        self.ids: list[int] = []
+        self.prefix = self.read = 0  # ids[prefix:read] = the last emitted piece; ids[read:] = pending
+
+    def _text(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip)
+
+    def feed(self, token_id: int) -> str:
+        self.ids.append(int(token_id))
+        before = self._text(self.ids[self.prefix:self.read])
+        text = self._text(self.ids[self.prefix:])
+        if text.endswith("\ufffd") or len(text) <= len(before):
+            return ""
+        self.prefix, self.read = self.read, len(self.ids)
+        return text[len(before):]
+
+    def flush(self) -> str:
+        """Whatever is still held back (e.g. a character cut off by the end of generation)."""
+        before, text = self._text(self.ids[self.prefix:self.read]), self._text(self.ids[self.prefix:])
+        self.prefix = self.read = len(self.ids)
+        return text[len(before):]
