@@ -4,9 +4,16 @@ The model is fetched once, into tinykv's default weights folder, so later runs (
 """
 
 import json
+import os
 from pathlib import Path
 
 import pytest
+import torch
+
+# Triton picks its interpreter when a kernel is defined, so this must come before anything imports
+# triton: without a GPU the kernel tests run through the interpreter, on the CPU.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tinykv.fetch import DEFAULT_DIR, GGUF_NAME, fetch
 

@@ -1,0 +1,196 @@
+"""Tests for tinykv/kernels.py: the Triton kernels against their torch references.
+
+Without a GPU the kernels run in Triton's interpreter, so shapes are small and the grid of cases is a
+curated list that covers every axis (formats, granularities, group sizes, head dims, block sizes,
+context lengths, splits, holes, chunked prefill) without taking their full cross product.
+"""
+
+import os
+import sys
+
+import torch
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+# Triton reads TRITON_INTERPRET when it decorates a kernel, its own library's included: before any import.
+TOO_LATE = DEV == "cpu" and "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
+if DEV == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton")
+if TOO_LATE:
+    pytest.skip("triton was imported before TRITON_INTERPRET=1 was set: set it in the environment or a "
+                "conftest.py to run the kernels on the CPU", allow_module_level=True)
+
+from tinykv.kernels import (  # noqa: E402
+    PoolLayer,
+    merge_partials,
+    paged_attention_ref,
+    paged_attention_triton,
+    quantize_store_ref,
+    quantize_store_triton,
+)
+from tinykv.quant import QuantParams, compute_scales, quantize  # noqa: E402
+
+NB = 24  # physical blocks per pool
+
+
+def make_pool(spec: str, H: int, BS: int, D: int, gen: torch.Generator) -> PoolLayer:
+    """A pool of NB random blocks stored as the cache stores them: per-token/group scales per slot,
+    block-wise scales per block, static scales computed over the whole pool (shape (1, H|1, 1, G))."""
+    p = QuantParams.parse(spec)
+    x = torch.randn(NB, H, BS, D, generator=gen) * (1 + torch.rand(1, 1, 1, D, generator=gen) * 3)
+    x += torch.randn(1, H, 1, D, generator=gen)  # channel offsets, as real keys have
+    if p.is_float:
+        return PoolLayer(x.to(p.storage_dtype).to(DEV), None, None, p)
+    if p.static:
+        s, z = compute_scales(x.transpose(0, 1).flatten(1, 2), p, torch.float32)  # (H|1, 1, G)
+        s, z = s.unsqueeze(0), None if z is None else z.unsqueeze(0)
+    else:
+        s, z = compute_scales(x, p)  # (NB, H|1, BS|1, G)
+    q, _ = quantize(x, p, s, z)
+    return PoolLayer(q.to(DEV), s.to(DEV), None if z is None else z.to(DEV), p)
+
+
+def make_batch(BS: int, Hq: int, D: int, gen: torch.Generator, q_dtype=torch.float32):
+    """Rows with context 1, BS-1, BS+1 (a causal chunk of 3 queries), 5 blocks with a -1 hole, and a
+    row held entirely elsewhere (all -1). q is a strided view, as a slice of a fused qkv would be."""
+    ctx = [1, BS - 1, BS + 1, 4 * BS + 5, 2 * BS]
+    ids = torch.randperm(NB, generator=gen).tolist()
+    table = torch.full((5, 5), -1, dtype=torch.int32)
+    for b, n in enumerate(ctx[:4]):
+        for j in range(-(-n // BS)):
+            table[b, j] = ids.pop()
+    table[3, 1] = -1
+    q_seq = torch.tensor([0, 1, 2, 2, 2, 3, 4])
+    q_pos = torch.tensor([0, BS - 2, BS - 2, BS - 1, BS, 4 * BS + 4, 2 * BS - 1])
+    qkv = torch.randn(len(q_seq), 2 * Hq, D, generator=gen).to(q_dtype)
+    return (qkv[:, :Hq].to(DEV), q_seq.to(DEV), q_pos.to(DEV), table.to(DEV),
+            torch.tensor(ctx, dtype=torch.int32, device=DEV))
+
+
+# (k spec, v spec, n_rep, head_dim, block size): every format, granularity and shape at least once.
+ATTN_CASES = [
+    ("fp32", "fp32", 1, 64, 16),
+    ("fp16", "bf16", 3, 80, 32),
+    ("int8", "int8", 4, 128, 16),  # per-token scales
+    ("int4:channel:asym", "int4:g32:asym", 8, 64, 64),  # KIVI: per-channel-per-block keys, group values
+    ("int2:asym", "int2:g16", 3, 64, 16),
+    ("fp8", "fp8:token", 4, 80, 16),  # block-wise (NB, 1, 1, 1) and per-token fp8 scales
+    ("int8:head:static", "int4:tensor:static:asym", 1, 128, 32),  # static (1, H, 1, 1) and (1, 1, 1, 1)
+    ("int4:channel:static", "fp16", 8, 80, 16),
+    ("int8:g16:asym", "fp8:head", 3, 128, 64),
+    ("int2:channel:asym", "int8:asym", 1, 80, 32),
+    ("fp8:tensor:static", "int4", 4, 64, 16),
+]
+
+
+@pytest.mark.parametrize("kspec,vspec,n_rep,D,BS", ATTN_CASES)
+def test_attention_matches_reference(kspec, vspec, n_rep, D, BS):
+    gen = torch.Generator().manual_seed(n_rep * 1000 + D + BS)
+    H = 2
+    k, v = make_pool(kspec, H, BS, D, gen), make_pool(vspec, H, BS, D, gen)
+    q, q_seq, q_pos, table, ctx = make_batch(BS, H * n_rep, D, gen)
+    o_ref, lse_ref = paged_attention_ref(q, q_seq, q_pos, k, v, table, ctx, D**-0.5)
+    assert torch.isinf(lse_ref[-1]).all() and lse_ref[:-1].isfinite().all()  # the batch is what we meant
+    for splits in (1, 3):  # 3 splits: some empty (context 1), some holding only the hole
+        o, lse = paged_attention_triton(q, q_seq, q_pos, k, v, table, ctx, D**-0.5, num_splits=splits)
+        assert o.dtype == lse.dtype == torch.float32 and o.shape == q.shape and lse.shape == q.shape[:2]
+        torch.testing.assert_close(o, o_ref, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(lse, lse_ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("q_dtype", [torch.float16, torch.bfloat16])
+def test_attention_half_queries(q_dtype):
+    """Half-precision queries take tl.dot's tensor-core path: K, V and p are rounded to q's dtype."""
+    gen = torch.Generator().manual_seed(7)
+    k, v = make_pool("int8", 2, 16, 64, gen), make_pool("int4:asym", 2, 16, 64, gen)
+    q, q_seq, q_pos, table, ctx = make_batch(16, 8, 64, gen, q_dtype)
+    o_ref, lse_ref = paged_attention_ref(q, q_seq, q_pos, k, v, table, ctx, 0.125)
+    o, lse = paged_attention_triton(q, q_seq, q_pos, k, v, table, ctx, 0.125)  # default splits
+    tol = 2.5e-2 if q_dtype == torch.bfloat16 else 2e-3  # K, V and p rounded to 8 or 11 bits
+    assert (o - o_ref).abs().max() <= tol * o_ref.abs().max()
+    assert torch.isneginf(lse[-1]).all() and (lse - lse_ref)[:-1].abs().max() <= 10 * tol
+
+
+def test_two_pools_merge():
+    """cache.attend's pattern: a quantized store pool and a full-precision hot pool with complementary
+    tables, merged with merge_partials, equal the reference over everything."""
+    gen = torch.Generator().manual_seed(3)
+    BS, D, H = 16, 64, 2
+    store = (make_pool("int4:g16:asym", H, BS, D, gen), make_pool("int8", H, BS, D, gen))
+    hot = (make_pool("fp32", H, BS, D, gen), make_pool("fp32", H, BS, D, gen))
+    q, q_seq, q_pos, table, ctx = make_batch(BS, H * 4, D, gen)
+    in_hot = torch.rand(table.shape, generator=gen).to(DEV) < 0.5
+    t_store, t_hot = table.masked_fill(in_hot, -1), table.masked_fill(~in_hot, -1)
+    args = (q_seq, q_pos)
+    ref = merge_partials([paged_attention_ref(q, *args, *store, t_store, ctx, 0.125),
+                          paged_attention_ref(q, *args, *hot, t_hot, ctx, 0.125)])
+    out = merge_partials([paged_attention_triton(q, *args, *store, t_store, ctx, 0.125, num_splits=2),
+                          paged_attention_triton(q, *args, *hot, t_hot, ctx, 0.125)])
+    for a, b in zip(out, ref, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_attention_empty():
+    gen = torch.Generator().manual_seed(0)
+    k = make_pool("int8", 2, 16, 64, gen)
+    q, q_seq, q_pos, table, ctx = make_batch(16, 4, 64, gen)
+    for fn in (paged_attention_ref, paged_attention_triton):
+        o, lse = fn(q[:0], q_seq[:0], q_pos[:0], k, k, table, ctx, 0.125)  # N = 0
+        assert o.shape == (0, 4, 64) and lse.shape == (0, 4)
+        o, lse = fn(q[-1:], q_seq[-1:], q_pos[-1:], k, k, table, ctx, 0.125)  # a row of -1 only
+        assert (o == 0).all() and torch.isneginf(lse).all()
+
+
+# ---- quantize-and-store ---------------------------------------------------------------------------------
+STORE_CASES = [
+    ("fp32", 64), ("fp16", 80), ("bf16", 128),
+    ("int8", 64), ("int8:asym", 80), ("int4", 128), ("int4:asym", 64), ("int2", 80), ("int2:asym", 128),
+    ("int4:g16", 64), ("int8:g16:asym", 80), ("int2:g8:asym", 64), ("int4:g32:asym", 128),
+    ("fp8:token", 80), ("fp8:g16", 64),
+    ("int8:head:static", 64), ("int4:channel:static:asym", 80), ("int2:tensor:static", 128),
+    ("fp8:tensor:static", 64), ("int8:channel:static", 80), ("int4:head:static:asym", 64),
+]
+
+
+def store_inputs(p: QuantParams, D: int, gen: torch.Generator):
+    n, H, BS = 9, 2, 16
+    x = torch.randn(n, H, D, generator=gen) * torch.logspace(-3, 2, D)
+    x[0, 0, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0])
+    x[1, 1] = 0.0  # an all-zero token: smallest scale
+    x[2] = torch.randint(-40, 40, (H, D), generator=gen) / 4  # ties, with the power-of-two static scales
+    x[3, 0] = 1e6  # saturates static scales
+    blk, off = torch.tensor([2, 0, 3, 2, 1, 0, 3, 1, 2]), torch.tensor([5, 15, 0, 6, 9, 0, 15, 1, 7])
+    data = torch.zeros(4, H, BS, D // p.per_byte, dtype=p.storage_dtype)
+    scale = zero = None
+    if p.static:
+        shape = (1, 1 if p.gran == "tensor" else H, 1, p.ngroups(D))
+        scale = 2.0 ** torch.randint(-3, 3, shape, generator=gen).float()
+        zero = None if p.sym else torch.randint(-3, p.qmax + 3, shape, generator=gen).float()
+    elif not p.is_float:
+        scale = torch.zeros(4, *p.scale_shape(H, BS, D), dtype=torch.float16)
+        zero = None if p.sym else torch.zeros_like(scale)
+    to = lambda t: None if t is None else t.to(DEV)
+    x = x.to(torch.float16 if p.dtype == "fp16" else torch.bfloat16 if p.gran == "group" and p.sym else torch.float32)
+    return to(x), p, to(data), to(scale), to(zero), to(blk), to(off)
+
+
+@pytest.mark.parametrize("spec,D", STORE_CASES)
+def test_quantize_store_matches_reference(spec, D):
+    p = QuantParams.parse(spec)
+    x, p, data, scale, zero, blk, off = store_inputs(p, D, torch.Generator().manual_seed(D))
+    clone = lambda t: None if t is None else t.clone()
+    ref = (clone(data), clone(scale), clone(zero))
+    n_ref = quantize_store_ref(x, p, *ref, blk, off)
+    n_sat = quantize_store_triton(x, p, data, scale, zero, blk, off)
+    bits = lambda t: t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.dtype.itemsize])
+    if p.dtype == "bf16" and os.environ.get("TRITON_INTERPRET") == "1":
+        # The interpreter casts fp32 -> bf16 by truncation; GPUs round to nearest even, as torch does.
+        torch.testing.assert_close(data.float(), ref[0].float(), rtol=2**-7, atol=0, equal_nan=True)
+    else:
+        assert torch.equal(bits(data), bits(ref[0])), "codes differ"  # bit-exact, NaN and -0.0 included
+    for got, want in zip((scale, zero), ref[1:], strict=True):
+        assert got is None or torch.equal(got, want)
+    assert int(n_sat) == int(n_ref)
