@@ -21,13 +21,16 @@ import torch
 
 from .kernels import PoolLayer, merge_partials, paged_attention_ref
 from .model import Config
+from .offload import DISK, HOST, HOT, STORE, Offloader
 from .quant import KVSpec, QuantParams, compute_scales, quantize
-
-STORE, HOT = 0, 1
 
 
 class PoolExhausted(RuntimeError):
-    """No free block is left in a pool."""
+    """No free block is left in a pool (`pool`: STORE, HOT, or None when every tier is full)."""
+
+    def __init__(self, msg: str, pool: int | None = STORE):
+        super().__init__(msg)
+        self.pool = pool
 
 
 class Allocator:
@@ -41,10 +44,9 @@ class Allocator:
 
     def alloc(self, what: str) -> int:
         if not self.free:
-            raise PoolExhausted(f"KV block pool exhausted: all {len(self.ref)} {what} blocks are in use")
+            raise PoolExhausted(f"KV block pool exhausted: all {len(self.ref)} {what} blocks are in use", None)
         b, _ = self.free.popitem(last=False)  # oldest freed first: recently freed prefixes live longer
-        if b in self.hash_of:
-            del self.table[self.hash_of.pop(b)]
+        self.forget(b)
         self.ref[b] = 1
         return b
 
@@ -58,6 +60,11 @@ class Allocator:
         assert self.ref[b] >= 0, "block freed twice"
         if self.ref[b] == 0:
             self.free[b] = None
+
+    def forget(self, b: int) -> None:
+        """The block's contents are leaving: it can no longer be found by hash."""
+        if b in self.hash_of:
+            del self.table[self.hash_of.pop(b)]
 
     def register(self, b: int, h: int) -> None:
         if h not in self.table and b not in self.hash_of:
@@ -83,12 +90,14 @@ class Plan:
     tables: dict[int, torch.Tensor]  # pool -> (B, MB) block ids, -1 where the block is in the other pool
     slots: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # pool -> (token idx, block, offset)
     logits_idx: torch.Tensor | None  # packed rows whose logits are wanted (None: all)
+    offload_chunks: list = field(default_factory=list)  # staged chunks of offloaded blocks (offload.py)
 
 
 class PagedKVCache:
     def __init__(self, cfg: Config, spec: KVSpec, num_blocks: int, block_size: int = 16, max_seqs: int = 16,
                  max_step_tokens: int = 512, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                 static_scales: dict[str, torch.Tensor] | None = None, attention: str = "torch"):
+                 static_scales: dict[str, torch.Tensor] | None = None, attention: str = "torch",
+                 host_blocks: int = 0, disk_dir: str | None = None, disk_blocks: int = 0, stage_blocks: int = 64):
         for p in (spec.k, spec.v):
             p.check(cfg.head_dim)
             if p.static and static_scales is None:
@@ -111,6 +120,7 @@ class PagedKVCache:
         self.seqs: dict[int, SeqState] = {}
         self.saturated = 0  # values clipped by static scales
         self.peak_blocks = 0
+        self.offload = Offloader(self, host_blocks, disk_dir, disk_blocks, stage_blocks) if host_blocks else None
 
     def _make_pool(self, p: QuantParams, nb: int, kv: str, static: dict | None) -> dict:
         L, H, D, BS = self.cfg.n_layers, self.cfg.n_kv_heads, self.cfg.head_dim, self.bs
@@ -130,11 +140,19 @@ class PagedKVCache:
         return pool
 
     # ---- memory -----------------------------------------------------------------------------------
-    def _per_block_tensors(self) -> list[torch.Tensor]:
-        """Store-pool tensors whose dim 1 is the block: what moves when a block moves."""
+    def block_tensors(self) -> list[torch.Tensor]:
+        """Store-pool tensors (L, NB, ...) whose dim 1 is the block: what moves when a block moves."""
+        return [t for pool in self.store.values() for name in ("data", "scale", "zero")
+                if (t := pool[name]) is not None and (name == "data" or not pool["p"].static)]
+
+    def layer_views(self, layer: int, per_block: list[torch.Tensor] | None = None) -> list[PoolLayer]:
+        """K and V of one layer as kernels read them; per-block tensors may come from a staging buffer."""
+        it = iter(per_block) if per_block is not None else (t[layer] for t in self.block_tensors())
         out = []
         for pool in self.store.values():
-            out += [t for t in (pool["data"], pool["scale"], pool["zero"]) if t is not None and t.shape[1] > 1]
+            got = {n: None if pool[n] is None else pool[n][layer] if n != "data" and pool["p"].static else next(it)
+                   for n in ("data", "scale", "zero")}
+            out.append(PoolLayer(got["data"], got["scale"], got["zero"], pool["p"]))
         return out
 
     @property
@@ -143,7 +161,7 @@ class PagedKVCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in self._per_block_tensors())
+        return sum(t.nbytes for t in self.block_tensors())
 
     @property
     def bytes_per_token(self) -> float:
@@ -156,6 +174,11 @@ class PagedKVCache:
     @property
     def blocks_free(self) -> int:
         return len(self.alloc[STORE].free)
+
+    @property
+    def blocks_free_total(self) -> int:
+        """Free blocks on every tier a sequence may occupy (device, host, disk)."""
+        return sum(len(a.free) for p, a in self.alloc.items() if p != HOT)
 
     # ---- sequences --------------------------------------------------------------------------------
     def add_sequence(self, seq_id: int, prompt: list[int] | None = None) -> int:
@@ -188,6 +211,8 @@ class PagedKVCache:
     def free(self, seq_id: int) -> None:
         for pool, b in self.seqs.pop(seq_id).blocks:
             self.alloc[pool].decref(b)
+            if pool in (HOST, DISK) and self.alloc[pool].ref[b] == 0:
+                self.offload.counts["blocks_freed_offloaded"] += 1
 
     def length(self, seq_id: int) -> int:
         return len(self.seqs[seq_id].tokens)
@@ -209,12 +234,15 @@ class PagedKVCache:
         if pool == HOT:
             self.hot[:, :, dst] = self.hot[:, :, src]
         else:
-            for t in self._per_block_tensors():
+            for t in self.block_tensors():
                 t[:, dst] = t[:, src]
 
     # ---- one step ---------------------------------------------------------------------------------
-    def plan(self, seq_ids: list[int], new_tokens: list[list[int]], logits: str = "last") -> Plan:
-        """Allocate slots for each sequence's new tokens and build the step's metadata."""
+    def plan(self, seq_ids: list[int], new_tokens: list[list[int]], logits: str | list[int] = "last") -> Plan:
+        """Allocate slots for each sequence's new tokens and build the step's metadata.
+
+        `logits`: "all" rows, the "last" row of every sequence, or the last row of the listed sequences.
+        """
         self._check_room(seq_ids, new_tokens)
         pos, q_seq, slot_rows = [], [], {STORE: ([], [], []), HOT: ([], [], [])}
         n = 0
@@ -226,7 +254,9 @@ class PagedKVCache:
                 j, off = divmod(p, self.bs)
                 if j == len(st.blocks):
                     st.blocks.append(self._new_block(j))
-                elif i == 0:  # first write into an existing block: copy it if shared
+                elif i == 0:  # first write into an existing block: bring it home, copy it if shared
+                    if self.offload:
+                        self.offload.swap_in(st, j)
                     pool, b = st.blocks[j]
                     if self.alloc[pool].ref[b] > 1:
                         nb = self.alloc[pool].alloc("KV")
@@ -252,13 +282,17 @@ class PagedKVCache:
                         t[row, j] = b
             if pool == STORE or self.n_hot:
                 tables[pool] = t.to(dev)
+        chunks = []
+        if self.offload:
+            self.offload.note_step(seq_ids)
+            chunks = self.offload.plan_chunks(seq_ids, mb)
         ctx = torch.tensor([len(self.seqs[s].tokens) for s in seq_ids], dtype=torch.int32, device=dev)
         last = torch.cumsum(torch.tensor([len(t) for t in new_tokens]), 0) - 1
         slots = {pool: tuple(torch.tensor(x, dtype=torch.long, device=dev) for x in rows)
                  for pool, rows in slot_rows.items() if rows[0]}
         return Plan(self, list(seq_ids), torch.tensor(pos, dtype=torch.long, device=dev),
                     torch.tensor(q_seq, dtype=torch.int32, device=dev), ctx, tables, slots,
-                    None if logits == "all" else last.to(dev))
+                    None if logits == "all" else last[logits if logits != "last" else slice(None)].to(dev), chunks)
 
     def _check_room(self, seq_ids: list[int], new_tokens: list[list[int]]) -> None:
         """Raise PoolExhausted, before touching anything, if the step (and its commit) may not fit."""
@@ -266,20 +300,22 @@ class PagedKVCache:
         for sid, toks in zip(seq_ids, new_tokens):
             st = self.seqs[sid]
             n0, n1 = len(st.tokens), len(st.tokens) + len(toks)
-            if n0 % self.bs and st.blocks:  # copy-on-write of a shared tail block
+            if n0 % self.bs and st.blocks:  # copy-on-write of a shared tail block, or its swap-in
                 pool, b = st.blocks[-1]
-                need[pool] += self.alloc[pool].ref[b] > 1
+                need[STORE if pool != HOT else HOT] += self.alloc[pool].ref[b] > 1 or pool in (HOST, DISK)
             hot_after = sum(pool == HOT for pool, _ in st.blocks)
             for j in range(len(st.blocks), math.ceil(n1 / self.bs)):
                 pool = self._pool_for(j)
                 need[pool] += 1
                 hot_after += pool == HOT
             need[STORE] += hot_after  # commit may quantize every hot block into the store
+        if self.offload and need[STORE] > self.blocks_free:
+            self.offload.make_room(need[STORE] - self.blocks_free, seq_ids)
         for pool, what in ((STORE, "KV"), (HOT, "full-precision")):
             free = len(self.alloc[pool].free)
             if need[pool] > free:
                 raise PoolExhausted(f"KV block pool exhausted: this step needs {need[pool]} {what} blocks, "
-                                    f"{free} of {len(self.alloc[pool].ref)} are free")
+                                    f"{free} of {len(self.alloc[pool].ref)} are free", pool)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, plan: Plan) -> None:
         """Store the step's new keys/values (N, H, D): quantized into store blocks, as-is into hot ones."""
@@ -310,17 +346,13 @@ class PagedKVCache:
 
     def attend(self, layer: int, q: torch.Tensor, plan: Plan) -> torch.Tensor:
         """Attention of the step's queries (N, Hq, D) over everything cached for their sequences."""
-        kp, vp = self.store["k"], self.store["v"]
         sm = 1.0 / math.sqrt(self.cfg.head_dim)
-
-        def layer_of(pool):
-            sel = lambda t: None if t is None else t[layer]
-            return PoolLayer(pool["data"][layer], sel(pool["scale"]), sel(pool["zero"]), pool["p"])
         fn = paged_attention_ref
         if self.attention == "triton":
             from .kernels import paged_attention_triton as fn
-        parts = [fn(q, plan.q_seq, plan.positions, layer_of(kp), layer_of(vp), plan.tables[STORE],
-                    plan.ctx_lens, sm)]
+        parts = [fn(q, plan.q_seq, plan.positions, *self.layer_views(layer), plan.tables[STORE], plan.ctx_lens, sm)]
+        if plan.offload_chunks:
+            parts += self.offload.attend_parts(layer, q, plan, fn, sm)
         if HOT in plan.tables:
             hp = QuantParams({torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[self.dtype])
             parts.append(fn(q, plan.q_seq, plan.positions, PoolLayer(self.hot[0, layer], None, None, hp),

@@ -30,6 +30,10 @@ def add_cache_args(ap: argparse.ArgumentParser, default_kv: str = "int8") -> Non
     ap.add_argument("--device-blocks", type=int, help="KV pool size in blocks (default: what the requests need)")
     ap.add_argument("--kv-memory", help="KV pool budget in bytes, e.g. 256M or 2G (instead of --device-blocks)")
     ap.add_argument("--attention", default="auto", choices=["auto", "torch", "triton"])
+    ap.add_argument("--host-blocks", type=int, default=0, help="offload tier in host memory (blocks)")
+    ap.add_argument("--disk-dir", help="directory for the disk offload tier (with --disk-blocks)")
+    ap.add_argument("--disk-blocks", type=int, default=0, help="disk offload tier size (blocks)")
+    ap.add_argument("--stage-blocks", type=int, default=64, help="device staging buffer for offloaded blocks")
 
 
 def load_model(args):
@@ -71,7 +75,12 @@ def make_cache(model, args, tokens_needed: int, max_seqs: int = 16, max_step_tok
         raise ValueError("--block-size must be >= 1")
     mk = lambda n: PagedKVCache(model.cfg, spec, n, bs, max_seqs=max_seqs, max_step_tokens=max_step_tokens,
                                 device=dev, dtype=next(model.parameters()).dtype, static_scales=static,
-                                attention=attention)
+                                attention=attention, host_blocks=args.host_blocks, disk_dir=args.disk_dir,
+                                disk_blocks=args.disk_blocks, stage_blocks=args.stage_blocks)
+    if args.disk_blocks and not args.disk_dir:
+        raise ValueError("--disk-blocks needs --disk-dir")
+    if (args.disk_blocks or args.disk_dir) and not args.host_blocks:
+        raise ValueError("the disk tier sits behind the host tier: give --host-blocks too")
     if args.device_blocks:
         return mk(args.device_blocks)
     if args.kv_memory:
@@ -126,6 +135,12 @@ def cmd_generate(args) -> None:
         "blocks_used": cache.peak_blocks, "blocks_total": cache.num_blocks, "preemptions": st.preemptions,
         "saturated_values": cache.saturated, "attention": cache.attention,
     }
+    if cache.offload:
+        stats["offload"] = cache.offload.stats()
+        n_dec = max(1, st.decode_tokens)
+        moved = sum(v for k, v in stats["offload"].items() if k.startswith("bytes_"))
+        stats["offload"]["bytes_moved_per_token"] = moved / (n_dec + st.prefill_tokens)
+        cache.offload.close()
     results = [{"prompt_ids": r.tokens[:r.prompt_len], "new_ids": r.new_ids, "text": tok.decode(r.new_ids),
                 "finish": r.finish} for r in reqs]
     if args.json:
@@ -145,6 +160,18 @@ def cmd_fetch(args) -> None:
     from .fetch import DEFAULT_DIR, fetch
 
     print(fetch(Path(args.dest) if args.dest else DEFAULT_DIR, force=args.force))
+
+
+def cmd_calibrate(args) -> None:
+    from .calibrate import run_cli
+
+    run_cli(args)
+
+
+def cmd_eval(args) -> None:
+    from .evaluate import run_cli
+
+    run_cli(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -170,6 +197,27 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--dest")
     f.add_argument("--force", action="store_true")
     f.set_defaults(fn=cmd_fetch)
+    c = sub.add_parser("calibrate", help="static KV scales from a text (for --kv ...:static --kv-scales)")
+    c.add_argument("--kv", required=True, help="spec with static parts, e.g. int8:tensor:static")
+    c.add_argument("--out", required=True, help="scale file to write (safetensors)")
+    c.add_argument("--observer", default="minmax", help="minmax | percentile:P | meanstd:K")
+    c.add_argument("--vllm-out", help="also write the scales in vLLM's names (+ NAME.kv_cache_scheme.json)")
+    c.add_argument("--plot", help="PNG of per-channel key/value magnitudes (needs matplotlib)")
+    e = sub.add_parser("eval", help="perplexity (and attention error) under a KV spec")
+    e.add_argument("--chunk", type=int, default=256, help="tokens fed per step (1 = exact decode)")
+    e.add_argument("--json", action="store_true", help="print one JSON object")
+    e.add_argument("--attn-error", action="store_true", help="per-layer attention error on the first window")
+    e.add_argument("--plot-specs", nargs="+", help="more specs for the --plot chart")
+    e.add_argument("--plot", help="PNG of perplexity against KV bytes/token")
+    add_cache_args(e, default_kv="fp16")
+    for p, max_tokens in ((c, 8192), (e, None)):
+        p.add_argument("--text", required=True, help="UTF-8 text file")
+        p.add_argument("--offset", type=int, default=0, help="skip this many tokens of the text")
+        p.add_argument("--max-tokens", type=int, default=max_tokens, help="use at most this many tokens")
+        p.add_argument("--window", type=int, default=1024, help="tokens per independent window")
+        add_model_args(p)
+    c.set_defaults(fn=cmd_calibrate)
+    e.set_defaults(fn=cmd_eval)
     return ap
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cache import PagedKVCache, PoolExhausted
+from .cache import STORE, PagedKVCache, PoolExhausted
 from .model import Transformer
 
 
@@ -79,7 +79,8 @@ class Engine:
                  max_batch: int = 16, prefill_chunk: int = 512):
         self.model, self.cache = model, cache
         self.eos_ids = eos_ids or set()
-        self.max_batch, self.chunk = max_batch, prefill_chunk
+        # a prefill chunk must fit in the device pool beside the other sequences' tails
+        self.max_batch, self.chunk = max_batch, min(prefill_chunk, max(1, cache.num_blocks // 2) * cache.bs)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[int, Request] = {}
@@ -108,46 +109,49 @@ class Engine:
         while self.waiting and len(self.running) < self.max_batch:
             r = self.waiting[0]
             need = self.cache.blocks_needed(r.rid, len(r.tokens))
-            if self.running and need > self.cache.blocks_free:
+            if self.running and need > self.cache.blocks_free_total:
                 break  # wait for running requests to finish and free blocks
             self.waiting.popleft()
-            r.cached = self.cache.add_sequence(r.rid, r.tokens)
+            if r.rid not in self.cache.seqs:  # new, or preempted by recompute; a swapped one kept its blocks
+                r.cached = self.cache.add_sequence(r.rid, r.tokens)
             self.running.append(r)
 
-    def _preempt(self) -> None:
+    def _preempt(self, swap: bool) -> None:
         r = self.running.pop()  # the newest
-        self.cache.free(r.rid)
-        r.cached = 0
+        if not (swap and self.cache.offload and self.cache.offload.swap_out(r.rid)):
+            self.cache.free(r.rid)  # no tier to swap to: recompute it later
+            r.cached = 0
         self.waiting.appendleft(r)
         self.stats.preemptions += 1
 
     def step(self) -> list[tuple[int, int]]:
         """One model step over all running requests; returns the (request id, token) pairs sampled."""
         self._admit()
-        if not self.running:
-            return []
-        budget, feed = self.chunk, []
-        for r in self.running:
-            n = min(len(r.tokens) - r.cached, max(budget, 1))
-            feed.append(r.tokens[r.cached:r.cached + n])
-            budget -= n
         t0 = time.perf_counter()
-        try:
-            plan = self.cache.plan([r.rid for r in self.running], feed)
-        except PoolExhausted:
-            if len(self.running) == 1:
-                raise
-            self._preempt()  # plan() allocates nothing when it fails
-            return self.step()
+        while True:
+            if not self.running:
+                return []
+            budget, feed = self.chunk, []
+            for r in self.running:
+                n = min(len(r.tokens) - r.cached, max(budget, 1))
+                feed.append(r.tokens[r.cached:r.cached + n])
+                budget -= n
+            done = [i for i, (r, t) in enumerate(zip(self.running, feed)) if r.cached + len(t) == len(r.tokens)]
+            try:
+                plan = self.cache.plan([r.rid for r in self.running], feed, logits=done)
+                break
+            except PoolExhausted as e:
+                if len(self.running) == 1:
+                    raise
+                self._preempt(swap=e.pool == STORE)  # plan() allocates nothing when it fails
         logits = self.model(torch.tensor(sum(feed, []), dtype=torch.long, device=plan.positions.device), plan)
         self.cache.commit(plan)
         out = []
-        for i, (r, toks) in enumerate(zip(list(self.running), feed)):
+        for r, toks in zip(list(self.running), feed):
             r.cached += len(toks)
-            if r.cached < len(r.tokens):
-                continue  # still prefilling
-            for child in self._fork(r):
-                tok = sample(logits[i], child.sampling, child.gen)
+        for row, i in enumerate(done):  # requests that consumed all their known tokens sample one more
+            for child in self._fork(self.running[i]):
+                tok = sample(logits[row], child.sampling, child.gen)
                 child.tokens.append(tok)
                 out.append((child.rid, tok))
                 self._check_done(child, tok)
