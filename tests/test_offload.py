@@ -26,6 +26,7 @@ def generate(m, spec, prompts, **cache_kw):
     finally:
         gen_mod.sample = orig_sample
     logits = torch.stack([rows[i] for i in sorted(range(len(rows)), key=lambda i: (who[i], i))])
+    cache.preemptions = eng.stats.preemptions
     return [eng.requests[r].new_ids for r in rids], logits, cache
 
 
@@ -37,15 +38,15 @@ def test_small_device_pool_same_outputs(spec, disk, tmp_path):
     prompts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (150, 90)]
     want_ids, want_logits, _ = generate(m, spec, prompts, num_blocks=64)
     kw = dict(host_blocks=8, disk_dir=str(tmp_path), disk_blocks=64) if disk else dict(host_blocks=64)
-    ids, logits, cache = generate(m, spec, prompts, num_blocks=6, stage_blocks=5, **kw)
+    ids, logits, cache = generate(m, spec, prompts, num_blocks=8, stage_blocks=5, **kw)
+    assert cache.preemptions == 0  # a recompute would change chunking, and with it float rounding
     assert ids == want_ids
-    # The LSE merge reorders float sums (~1e-7). Under quantization such a nudge can flip the rounding of
-    # a code; with per-block (channel) scales it can move a whole block's scale. Changing only the prefill
-    # chunking, without offload, moves these logits by ~1e-3 too, so that is the noise floor they get.
-    tol = 1e-5 if spec == "fp32" else 1e-4 if "channel" not in spec else 5e-3
+    # exact up to float32 rounding: the torch path accumulates in float64, so the LSE merge of staged
+    # chunks rounds like one pass and no quantized code flips (see paged_attention_ref's `acc`)
+    tol = 1e-5
     torch.testing.assert_close(logits, want_logits, atol=tol, rtol=tol)
     st = cache.offload.stats()
-    assert st["blocks_read_staged"] > 0 and st["peak_device_blocks"] <= 6
+    assert st["blocks_read_staged"] > 0 and st["peak_device_blocks"] <= 8
     if disk:
         assert st["blocks_host_to_disk"] > 0
     # counters add up: every block that left the device came back, is still out, or was freed out there

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -303,12 +304,11 @@ class PagedKVCache:
             if n0 % self.bs and st.blocks:  # copy-on-write of a shared tail block, or its swap-in
                 pool, b = st.blocks[-1]
                 need[STORE if pool != HOT else HOT] += self.alloc[pool].ref[b] > 1 or pool in (HOST, DISK)
-            hot_after = sum(pool == HOT for pool, _ in st.blocks)
-            for j in range(len(st.blocks), math.ceil(n1 / self.bs)):
-                pool = self._pool_for(j)
-                need[pool] += 1
-                hot_after += pool == HOT
-            need[STORE] += hot_after  # commit may quantize every hot block into the store
+            for j in range(st.done, math.ceil(n1 / self.bs)):
+                pool = st.blocks[j][0] if j < len(st.blocks) else self._pool_for(j)
+                need[pool] += j >= len(st.blocks)
+                # commit will quantize this hot block into the store: full, not a sink, out of the window
+                need[STORE] += pool == HOT and j >= self.sink_blocks and (j + 1) * self.bs <= n1 - self.spec.residual
         if self.offload and need[STORE] > self.blocks_free:
             self.offload.make_room(need[STORE] - self.blocks_free, seq_ids)
         for pool, what in ((STORE, "KV"), (HOT, "full-precision")):
@@ -347,7 +347,7 @@ class PagedKVCache:
     def attend(self, layer: int, q: torch.Tensor, plan: Plan) -> torch.Tensor:
         """Attention of the step's queries (N, Hq, D) over everything cached for their sequences."""
         sm = 1.0 / math.sqrt(self.cfg.head_dim)
-        fn = paged_attention_ref
+        fn = partial(paged_attention_ref, acc=torch.float64)  # see acc in paged_attention_ref
         if self.attention == "triton":
             from .kernels import paged_attention_triton as fn
         parts = [fn(q, plan.q_seq, plan.positions, *self.layer_views(layer), plan.tables[STORE], plan.ctx_lens, sm)]

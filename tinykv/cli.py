@@ -116,7 +116,7 @@ def cmd_generate(args) -> None:
     n_seqs = len(ids) * args.n
     need = sum(len(i) + args.max_new_tokens for i in ids) * args.n
     cache = make_cache(model, args, need, max_seqs=min(n_seqs, args.max_batch))
-    eng = Engine(model, cache, eos_ids=tok.eos_ids, max_batch=args.max_batch)
+    eng = Engine(model, cache, eos_ids=tok.eos_ids, max_batch=args.max_batch, prefill_chunk=args.prefill_chunk)
     rids = [eng.add(i, samp, n=args.n) for i in ids]
     stream = len(rids) == 1 and args.n == 1 and not args.json
     dec = StreamDecoder(tok, skip_special_tokens=True)
@@ -189,6 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     g.add_argument("-n", type=int, default=1, help="samples per prompt (forked from one prefill)")
     g.add_argument("--max-batch", type=int, default=16, help="sequences decoded together")
+    g.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens fed per step (all sequences)")
     g.add_argument("--json", action="store_true", help="print one JSON object with ids, text and stats")
     add_model_args(g)
     add_cache_args(g)

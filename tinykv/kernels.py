@@ -47,7 +47,7 @@ def gather_dequant(pool: PoolLayer, ids: torch.Tensor, dtype=torch.float32) -> t
 
 def paged_attention_ref(q: torch.Tensor, q_seq: torch.Tensor, q_pos: torch.Tensor, k: PoolLayer,
                         v: PoolLayer, block_table: torch.Tensor, ctx_lens: torch.Tensor,
-                        sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                        sm_scale: float, acc: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of packed queries over paged K/V.
 
     q (N, Hq, D); q_seq (N,) row of block_table for each query, rows contiguous and in order;
@@ -55,6 +55,10 @@ def paged_attention_ref(q: torch.Tensor, q_seq: torch.Tensor, q_pos: torch.Tenso
     ctx_lens (B,) valid key positions per row. Returns o (N, Hq, D) float32 and the natural-log
     sum-exp of the scores lse (N, Hq) float32 (-inf where a query sees no key in this pool), so
     partial results over disjoint key sets merge exactly (`merge_partials`).
+
+    `acc=torch.float64` computes (and returns) in float64: the cache's CPU path uses it so that a
+    merge of partials rounds to the same float32 as one pass over all keys. Otherwise offloading a
+    block would reorder float sums, and under quantization a 1-ulp nudge can flip a code's rounding.
     """
     N, Hq, D = q.shape
     B, MB = block_table.shape
@@ -62,8 +66,8 @@ def paged_attention_ref(q: torch.Tensor, q_seq: torch.Tensor, q_pos: torch.Tenso
     n_rep = Hq // H
     ids = block_table.clamp(min=0).long()
     # (B, MB, H, BS, D) -> (B, H, S, D), S = MB * BS in logical order
-    K = gather_dequant(k, ids).permute(0, 2, 1, 3, 4).reshape(B, H, MB * BS, D)
-    V = gather_dequant(v, ids).permute(0, 2, 1, 3, 4).reshape(B, H, MB * BS, D)
+    K = gather_dequant(k, ids, acc).permute(0, 2, 1, 3, 4).reshape(B, H, MB * BS, D)
+    V = gather_dequant(v, ids, acc).permute(0, 2, 1, 3, 4).reshape(B, H, MB * BS, D)
     key_pos = torch.arange(MB * BS, device=q.device)
     valid = (block_table >= 0).repeat_interleave(BS, dim=1) & (key_pos < ctx_lens[:, None])  # (B, S)
     # Queries of one row padded to (B, Tq, ...): row b's queries are contiguous in the packed stream.
@@ -71,8 +75,8 @@ def paged_attention_ref(q: torch.Tensor, q_seq: torch.Tensor, q_pos: torch.Tenso
     starts = torch.cumsum(counts, 0) - counts
     rank = torch.arange(N, device=q.device) - starts[q_seq.long()]
     Tq = int(counts.max()) if N else 0
-    qp = q.new_zeros(B, Tq, Hq, D, dtype=torch.float32)
-    qp[q_seq.long(), rank] = q.float()
+    qp = q.new_zeros(B, Tq, Hq, D, dtype=acc)
+    qp[q_seq.long(), rank] = q.to(acc)
     pos = torch.full((B, Tq), -1, dtype=torch.long, device=q.device)
     pos[q_seq.long(), rank] = q_pos.long()
     # GQA: the n_rep query heads of a KV head attend to the same K/V without copying it per head.
