@@ -20,7 +20,7 @@ from functools import partial
 
 import torch
 
-from .kernels import PoolLayer, merge_partials, paged_attention_ref
+from .kernels import PoolLayer, merge_partials, paged_attention_ref, quantize_store_ref, quantize_store_triton
 from .model import Config
 from .offload import DISK, HOST, HOT, STORE, Offloader
 from .quant import KVSpec, QuantParams, compute_scales, quantize
@@ -119,7 +119,7 @@ class PagedKVCache:
         self.hot = torch.zeros(2, L, self.n_hot, H, block_size, D, dtype=dtype, device=device)  # K, V
         self.alloc = {STORE: Allocator(num_blocks), HOT: Allocator(self.n_hot)}
         self.seqs: dict[int, SeqState] = {}
-        self.saturated = 0  # values clipped by static scales
+        self._saturated = torch.zeros((), dtype=torch.int64, device=device)  # on device: counting needs no sync
         self.peak_blocks = 0
         self.offload = Offloader(self, host_blocks, disk_dir, disk_blocks, stage_blocks) if host_blocks else None
 
@@ -155,6 +155,11 @@ class PagedKVCache:
                    for n in ("data", "scale", "zero")}
             out.append(PoolLayer(got["data"], got["scale"], got["zero"], pool["p"]))
         return out
+
+    @property
+    def saturated(self) -> int:
+        """Values that static scales clipped (and NaNs) since the cache was made."""
+        return int(self._saturated)
 
     @property
     def num_blocks(self) -> int:
@@ -325,24 +330,9 @@ class PagedKVCache:
             self.hot[1, layer, blk, :, off] = v[idx].to(self.dtype)
         if STORE in plan.slots:
             idx, blk, off = plan.slots[STORE]
-            for x, pool in ((k, self.store["k"]), (v, self.store["v"])):
-                self._store_tokens(pool, layer, x[idx], blk, off)
-
-    def _store_tokens(self, pool: dict, layer: int, x: torch.Tensor, blk, off) -> None:
-        p: QuantParams = pool["p"]
-        x = x.unsqueeze(2)  # (n, H, 1, D): each token is its own "block" of one row
-        if p.is_float:
-            scale = zero = None
-        elif p.static:
-            scale, zero = pool["scale"][layer, 0], None if pool["zero"] is None else pool["zero"][layer, 0]
-        else:
-            scale, zero = compute_scales(x, p)
-            pool["scale"][layer, blk, :, off] = scale[:, :, 0]
-            if zero is not None:
-                pool["zero"][layer, blk, :, off] = zero[:, :, 0]
-        q, nsat = quantize(x, p, scale, zero, count=p.static)
-        pool["data"][layer, blk, :, off] = q[:, :, 0]
-        self.saturated += nsat
+            store = quantize_store_triton if self.attention == "triton" else quantize_store_ref
+            for x, pl in zip((k, v), self.layer_views(layer)):
+                self._saturated += store(x[idx], pl.p, pl.data, pl.scale, pl.zero, blk, off)
 
     def attend(self, layer: int, q: torch.Tensor, plan: Plan) -> torch.Tensor:
         """Attention of the step's queries (N, Hq, D) over everything cached for their sequences."""
@@ -401,7 +391,7 @@ class PagedKVCache:
                         pool["zero"][:, b] = zero
                 q, nsat = quantize(x, p, scale, zero, count=p.static)
                 pool["data"][:, b] = q
-                self.saturated += nsat
+                self._saturated += nsat
             if h is not None:
                 al.register(b, h)
         self.alloc[HOT].decref(hot_b)
