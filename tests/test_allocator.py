@@ -5,7 +5,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from tinykv.cache import HOT, STORE, PagedKVCache, PoolExhausted
+from tinykv.blocks import HOT, STORE, PoolExhausted
+from tinykv.cache import PagedKVCache
 from tinykv.model import Config
 from tinykv.quant import KVSpec
 

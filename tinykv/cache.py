@@ -14,70 +14,16 @@ a known prefix reuses them; freed blocks keep their contents and hash until real
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from functools import partial
 
 import torch
 
+from .blocks import DISK, HOST, HOT, STORE, Allocator, PoolExhausted, SeqState
 from .kernels import PoolLayer, merge_partials, paged_attention_ref, quantize_store_ref, quantize_store_triton
 from .model import Config
-from .offload import DISK, HOST, HOT, STORE, Offloader
+from .offload import Offloader
 from .quant import KVSpec, QuantParams, compute_scales, quantize
-
-
-class PoolExhausted(RuntimeError):
-    """No free block is left in a pool (`pool`: STORE, HOT, or None when every tier is full)."""
-
-    def __init__(self, msg: str, pool: int | None = STORE):
-        super().__init__(msg)
-        self.pool = pool
-
-
-class Allocator:
-    """Free list + reference counts over block ids; freed blocks stay findable by hash until reused."""
-
-    def __init__(self, n: int):
-        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(n))
-        self.ref = [0] * n
-        self.hash_of: dict[int, int] = {}  # block -> content hash, for blocks registered in `table`
-        self.table: dict[int, int] = {}  # content hash -> block
-
-    def alloc(self, what: str) -> int:
-        if not self.free:
-            raise PoolExhausted(f"KV block pool exhausted: all {len(self.ref)} {what} blocks are in use", None)
-        b, _ = self.free.popitem(last=False)  # oldest freed first: recently freed prefixes live longer
-        self.forget(b)
-        self.ref[b] = 1
-        return b
-
-    def incref(self, b: int) -> None:
-        if self.ref[b] == 0:
-            del self.free[b]
-        self.ref[b] += 1
-
-    def decref(self, b: int) -> None:
-        self.ref[b] -= 1
-        assert self.ref[b] >= 0, "block freed twice"
-        if self.ref[b] == 0:
-            self.free[b] = None
-
-    def forget(self, b: int) -> None:
-        """The block's contents are leaving: it can no longer be found by hash."""
-        if b in self.hash_of:
-            del self.table[self.hash_of.pop(b)]
-
-    def register(self, b: int, h: int) -> None:
-        if h not in self.table and b not in self.hash_of:
-            self.table[h], self.hash_of[b] = b, h
-
-
-@dataclass
-class SeqState:
-    blocks: list[tuple[int, int]] = field(default_factory=list)  # (pool, block id) per logical block
-    tokens: list[int] = field(default_factory=list)  # token ids written so far
-    done: int = 0  # leading blocks that are final: quantized into the store (or sinks)
-    last_hash: int | None = 0  # hash of the token prefix up to block `done` (chains block hashes)
 
 
 @dataclass

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cache import STORE, PagedKVCache, PoolExhausted
+from .blocks import STORE, PoolExhausted
+from .cache import PagedKVCache
 from .model import Transformer
 
 

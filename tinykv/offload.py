@@ -22,8 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-STORE, HOT, HOST, DISK = 0, 1, 2, 3
-TIER_NAMES = {STORE: "device", HOST: "host", DISK: "disk"}
+from .blocks import DISK, HOST, HOT, STORE, TIER_NAMES, Allocator, PoolExhausted
 
 
 class OffloadError(RuntimeError):
@@ -110,7 +109,6 @@ class Offloader:
 
     def __init__(self, cache, host_blocks: int, disk_dir: str | None = None, disk_blocks: int = 0,
                  stage_blocks: int = 64):
-        from .cache import Allocator
         self.cache = cache
         dev = torch.device(cache.device)
         self.tensors = cache.block_tensors()  # device pool tensors whose dim 1 is the block
@@ -249,7 +247,6 @@ class Offloader:
 
 
 def raise_full(cache) -> None:
-    from .cache import PoolExhausted
     tiers = ", ".join(f"{TIER_NAMES[p]} {len(a.ref)}" for p, a in cache.alloc.items() if p != HOT)
     raise PoolExhausted(f"KV cache full on every tier (blocks: {tiers}); raise --device-blocks or --host-blocks",
                         None)
