@@ -38,10 +38,8 @@ class PoolLayer:
 
 def gather_dequant(pool: PoolLayer, ids: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
     """Blocks `ids` (any shape S) of a pool, dequantized: (*S, H, BS, D)."""
-    def pick(t):
-        if t is None:
-            return None
-        return t.expand(pool.data.shape[0], *t.shape[1:])[ids] if t.shape[0] == 1 else t[ids]
+    def pick(t):  # a layer-wide (static) scale broadcasts as it is: no need to gather copies of it
+        return t if t is None or t.shape[0] == 1 else t[ids]
     return dequantize(pool.data[ids], pool.p, pick(pool.scale), pick(pool.zero), out_dtype=dtype)
 
 
