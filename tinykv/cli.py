@@ -219,11 +219,31 @@ def build_parser() -> argparse.ArgumentParser:
         add_model_args(p)
     c.set_defaults(fn=cmd_calibrate)
     e.set_defaults(fn=cmd_eval)
+    b = sub.add_parser("bench", help="benchmarks: `bench [--quick]` end to end, `bench kernel` the Triton kernel",
+                       add_help=False)
+    b.add_argument("rest", nargs=argparse.REMAINDER)
+    b.set_defaults(fn=cmd_bench)
     return ap
 
 
+def cmd_bench(args) -> None:
+    """`bench` runs the end-to-end benchmark (bench_e2e.py); `bench kernel` the kernel one (bench.py)."""
+    if args.rest[:1] == ["kernel"]:
+        from .bench import main as bench_main
+        bench_main(args.rest[1:])
+    else:
+        from .bench_e2e import main as bench_main
+        if bench_main(args.rest):
+            raise SystemExit(1)
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # its own parsers (two benchmarks, their own flags)
+        argv = ["bench", "--", *argv[1:]]
     args = build_parser().parse_args(argv)
+    if getattr(args, "rest", None) and args.rest[0] == "--":
+        args.rest = args.rest[1:]
     try:
         args.fn(args)
     except KeyboardInterrupt:
