@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from functools import partial
 
 import torch
 
@@ -237,7 +236,7 @@ class PagedKVCache:
         chunks = []
         if self.offload:
             self.offload.note_step(seq_ids)
-            chunks = self.offload.plan_chunks(seq_ids, mb)
+            chunks = self.offload.plan_chunks(seq_ids, mb, one_pass=self.attention != "triton")
         ctx = torch.tensor([len(self.seqs[s].tokens) for s in seq_ids], dtype=torch.int32, device=dev)
         last = torch.cumsum(torch.tensor([len(t) for t in new_tokens]), 0) - 1
         slots = {pool: tuple(torch.tensor(x, dtype=torch.long, device=dev) for x in rows)
@@ -283,10 +282,12 @@ class PagedKVCache:
     def attend(self, layer: int, q: torch.Tensor, plan: Plan) -> torch.Tensor:
         """Attention of the step's queries (N, Hq, D) over everything cached for their sequences."""
         sm = 1.0 / math.sqrt(self.cfg.head_dim)
-        fn = partial(paged_attention_ref, acc=torch.float64)  # see acc in paged_attention_ref
+        fn = paged_attention_ref
         if self.attention == "triton":
             from .kernels import paged_attention_triton as fn
-        parts = [fn(q, plan.q_seq, plan.positions, *self.layer_views(layer), plan.tables[STORE], plan.ctx_lens, sm)]
+        one_pass = plan.offload_chunks and STORE in plan.offload_chunks[0][1]  # resident blocks ride along
+        parts = [] if one_pass else [fn(q, plan.q_seq, plan.positions, *self.layer_views(layer),
+                                        plan.tables[STORE], plan.ctx_lens, sm)]
         if plan.offload_chunks:
             parts += self.offload.attend_parts(layer, q, plan, fn, sm)
         if HOT in plan.tables:

@@ -53,10 +53,7 @@ def paged_attention_ref(q: torch.Tensor, q_seq: torch.Tensor, q_pos: torch.Tenso
     ctx_lens (B,) valid key positions per row. Returns o (N, Hq, D) float32 and the natural-log
     sum-exp of the scores lse (N, Hq) float32 (-inf where a query sees no key in this pool), so
     partial results over disjoint key sets merge exactly (`merge_partials`).
-
-    `acc=torch.float64` computes (and returns) in float64: the cache's CPU path uses it so that a
-    merge of partials rounds to the same float32 as one pass over all keys. Otherwise offloading a
-    block would reorder float sums, and under quantization a 1-ulp nudge can flip a code's rounding.
+    `acc` is the dtype of the arithmetic (float64 gives a high-precision reference).
     """
     N, Hq, D = q.shape
     B, MB = block_table.shape

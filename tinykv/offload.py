@@ -197,20 +197,30 @@ class Offloader:
         self.counts["peak_device_blocks"] = max(self.counts["peak_device_blocks"], self.cache.blocks_used)
 
     # ---- staged attention ---------------------------------------------------------------------------
-    def plan_chunks(self, seq_ids: list[int], mb: int) -> list[tuple[torch.Tensor, dict[int, list[int]]]]:
-        """Offloaded blocks of this step in chunks of stage_blocks: (table (B, MB) of stage slots, ids per tier)."""
+    def plan_chunks(self, seq_ids: list[int], mb: int, one_pass: bool) -> list[tuple[torch.Tensor, dict]]:
+        """This step's offloaded blocks as chunks: (table (B, MB) of slots in a staging buffer, ids per tier).
+
+        `one_pass` (the CPU torch path, where host memory is the device's memory anyway): a single chunk
+        that also holds the resident blocks, so attention is one pass over exactly the same dense K/V as
+        without offload, and the results are bitwise identical. Otherwise chunks of `stage_blocks`.
+        """
+        tiers = (STORE, HOST, DISK) if one_pass else (HOST, DISK)
         entries = [(row, j, pool, b) for row, sid in enumerate(seq_ids)
-                   for j, (pool, b) in enumerate(self.cache.seqs[sid].blocks) if pool in (HOST, DISK)]
+                   for j, (pool, b) in enumerate(self.cache.seqs[sid].blocks) if pool in tiers]
+        staged = sum(e[2] != STORE for e in entries)
+        if not staged:
+            return []
+        self.counts["blocks_read_staged"] += staged
         self.counts["blocks_read_on_device"] += sum(pool == STORE for sid in seq_ids
                                                     for pool, _ in self.cache.seqs[sid].blocks)
-        self.counts["blocks_read_staged"] += len(entries)
+        size = len(entries) if one_pass else self.stage_blocks
         chunks = []
-        for c0 in range(0, len(entries), self.stage_blocks):
+        for c0 in range(0, len(entries), size):
             table = torch.full((len(seq_ids), mb), -1, dtype=torch.int32)
-            ids: dict[int, list[int]] = {HOST: [], DISK: []}
+            ids: dict[int, list[int]] = {pool: [] for pool in tiers}
             slot = 0
-            for pool in (HOST, DISK):  # stage slots: host blocks first, then disk blocks
-                for row, j, pl, b in entries[c0:c0 + self.stage_blocks]:
+            for pool in tiers:  # slots: resident blocks first, then host, then disk
+                for row, j, pl, b in entries[c0:c0 + size]:
                     if pl == pool:
                         table[row, j] = slot
                         ids[pool].append(b)
@@ -219,18 +229,28 @@ class Offloader:
         return chunks
 
     def attend_parts(self, layer: int, q: torch.Tensor, plan, fn, sm: float) -> list:
-        """Partial attention (o, lse) over each staged chunk of offloaded blocks, for one layer."""
+        """Partial attention (o, lse) over each chunk of offloaded blocks, for one layer."""
         parts = []
         for table, ids in plan.offload_chunks:
-            n = 0
-            for pool in (HOST, DISK):
-                if ids[pool]:
-                    rows = self.tiers[pool].read(layer, torch.tensor(ids[pool]))
-                    for buf, r in zip(self.stage, rows):
-                        buf[n:n + len(r)].copy_(r, non_blocking=True)
-                    n += len(ids[pool])
-                    self.counts[f"bytes_{TIER_NAMES[pool]}_to_device"] += sum(r.nbytes for r in rows)
-            k, v = self.cache.layer_views(layer, self.stage)
+            rows: list[list[torch.Tensor]] = [[] for _ in self.tensors]
+            for pool, lst in ids.items():
+                if not lst:
+                    continue
+                idx = torch.tensor(lst)
+                if pool == STORE:
+                    got = [t[layer].index_select(0, idx.to(t.device)) for t in self.tensors]
+                else:
+                    got = self.tiers[pool].read(layer, idx)
+                    self.counts[f"bytes_{TIER_NAMES[pool]}_to_device"] += sum(r.nbytes for r in got)
+                for r, g in zip(rows, got):
+                    r.append(g)
+            if STORE in ids:  # one pass: a buffer the size of this step's blocks
+                bufs = [torch.cat(r).to(self.cache.device) for r in rows]
+            else:  # the fixed staging buffer
+                bufs = self.stage
+                for buf, r in zip(bufs, rows):
+                    buf[:sum(len(x) for x in r)].copy_(torch.cat(r), non_blocking=True)
+            k, v = self.cache.layer_views(layer, bufs)
             parts.append(fn(q, plan.q_seq, plan.positions, k, v, table, plan.ctx_lens, sm))
         return parts
 
