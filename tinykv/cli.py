@@ -21,6 +21,7 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--weights", help="model directory (config.json + *.safetensors); default: SmolLM2-135M")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
 
 
 def add_cache_args(ap: argparse.ArgumentParser, default_kv: str = "int8") -> None:
@@ -40,6 +41,8 @@ def load_model(args):
     from .fetch import DEFAULT_DIR, fetch
     from .model import Transformer
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     path = Path(args.weights) if args.weights else DEFAULT_DIR
     if not args.weights and not (path / "config.json").exists():
         fetch(path)
