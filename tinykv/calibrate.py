@@ -1,0 +1,250 @@
+"""Static KV calibration: observe each layer's post-RoPE keys and values over a text and turn them
+into the fixed scales of a `:static` KV spec (per tensor, head or channel), saved as safetensors
+(never pickle) with metadata that `load_scales` checks against the model and the spec.
+
+Observers give one range per scale group, keys and values apart: `minmax` (nothing seen clips),
+`percentile:P` (numpy's "linear" percentiles: rare outliers clip so the rest get finer steps) and
+`meanstd:K` (mean -/+ K population std, within minmax); sym takes the larger magnitude (of |x| for
+percentiles). Scales follow quant.compute_scales: sym absmax / qmax (fp8: / 448), asym
+(max - min) / qmax with the integer zero round(-min / scale).
+
+vLLM / llm-compressor export: `model.layers.{i}.self_attn.k_scale` / `v_scale`, float32, (1,) per
+tensor or (num_kv_heads, 1, 1) per head, x ~= q * scale, plus config.json's `kv_cache_scheme` entry.
+It expresses only K and V alike, static, sym, tensor or head, fp8 ("float", scale = absmax / 448) or
+int8 ("int", absmax / 127; vLLM itself serves fp8 KV caches only); other specs are refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from .model import Config, Transformer
+from .quant import KVSpec, QuantParams, compute_scales
+
+FORMAT = "tinykv-kv-scales/1"  # metadata["format"] of a scale file
+
+
+class CalibrationError(ValueError):
+    """A user mistake around calibration (bad observer, wrong or missing file); one line."""
+
+
+class Recorder:
+    """Plan and cache of `model(tokens, plan)` at once (the model reads plan.positions, plan.logits_idx
+    and calls plan.cache.write / attend): keeps each layer's exact post-RoPE q, k, v and answers with
+    plain causal attention, so the model computes what it does uncached. A call is one sequence."""
+
+    def __init__(self, model: Transformer, keep_q: bool = False):
+        self.model, self.keep_q, self.cache = model, keep_q, self
+        self.seen = {w: [[] for _ in range(model.cfg.n_layers)] for w in "qkv"}  # per layer: (heads, N, D)
+
+    def __call__(self, tokens: list[int]) -> None:
+        dev = next(self.model.parameters()).device
+        self.positions = torch.arange(len(tokens), device=dev)
+        self.logits_idx = self.positions[-1:]  # one row: the vocab matmul is costly and nobody reads it
+        self.model(torch.tensor(tokens, device=dev), self)
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, plan: Recorder) -> None:
+        self._kv = (k, v)  # (N, H, D), for the attend call of the same layer
+        for w, x in (("k", k), ("v", v)):
+            self.seen[w][layer].append(x.float().transpose(0, 1).cpu())
+
+    def attend(self, layer: int, q: torch.Tensor, plan: Recorder) -> torch.Tensor:
+        if self.keep_q:
+            self.seen["q"][layer].append(q.float().transpose(0, 1).cpu())
+        k, v = self._kv
+        n_rep = q.shape[1] // k.shape[1]
+        q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))  # (1, heads, N, D) as in the uncached path
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q, k.repeat_interleave(n_rep, 1), v.repeat_interleave(n_rep, 1), is_causal=True)
+        return o[0].transpose(0, 1)  # (N, Hq, D)
+
+    def stacked(self, which: str) -> torch.Tensor:  # 'q', 'k' or 'v': (L, heads, T, D) float32 on the CPU
+        return torch.stack([torch.cat(pieces, 1) for pieces in self.seen[which]])
+
+
+def record(model: Transformer, tokens: list[int], window: int = 1024, keep_q: bool = False,
+           progress: bool = False) -> Recorder:
+    """Run tokens through the model in independent windows (fresh positions 0..W-1 each) and record."""
+    if not tokens or not 1 <= window <= model.cfg.max_seq_len:
+        raise CalibrationError(f"need tokens and a window in 1..{model.cfg.max_seq_len} (got {len(tokens)}, {window})")
+    rec = Recorder(model, keep_q)
+    for s in tqdm(range(0, len(tokens), window), desc="calibrate", unit="window", disable=not progress):
+        rec(tokens[s:s + window])
+    return rec
+
+
+def parse_observer(s: str) -> tuple[str, float]:
+    """'minmax' | 'percentile:P' (0 < P <= 100) | 'meanstd:K' (K > 0) -> (kind, parameter)."""
+    kind, _, arg = s.partition(":")
+    val = float(arg) if arg.replace(".", "", 1).isdigit() else -1.0
+    if (kind, arg) == ("minmax", "") or (kind == "percentile" and 0 < val <= 100) or (kind == "meanstd" and val > 0):
+        return kind, max(val, 0.0)
+    raise CalibrationError(f"bad observer {s!r} (expected minmax, percentile:P with 0 < P <= 100, "
+                           "or meanstd:K with K > 0)")
+
+
+def _quantile(x: torch.Tensor, q: float) -> torch.Tensor:
+    """numpy's default ('linear') quantile over the last dim (kthvalue: no size limit, no sorted copy)."""
+    i = int(pos := q * (x.shape[-1] - 1))
+    lo, hi = x.kthvalue(i + 1, -1).values, x.kthvalue(min(i + 2, x.shape[-1]), -1).values
+    return lo + (hi - lo) * (pos - i)
+
+
+def observe(x: torch.Tensor, p: QuantParams, observer: str = "minmax") -> tuple[torch.Tensor, torch.Tensor]:
+    """Range (lo, hi) of x (L, H, T, D) per static scale group of p, each (L, H|1, 1, G); sym: lo = -hi."""
+    kind, arg = parse_observer(observer)
+    L, H = x.shape[:2]
+    rows = x.float().transpose(2, 3)  # (L, H, D, T): tokens are always reduced over
+    rows = {"tensor": rows.reshape(L, 1, 1, -1), "head": rows.reshape(L, H, 1, -1), "channel": rows}[p.gran]
+    if kind == "minmax":
+        lo, hi = rows.amin(-1), rows.amax(-1)
+    elif kind == "percentile" and p.sym:
+        lo = hi = _quantile(rows.abs(), arg / 100)
+    elif kind == "percentile":
+        lo, hi = _quantile(rows, 1 - arg / 100), _quantile(rows, arg / 100)
+    else:
+        mean, std = rows.mean(-1), rows.std(-1, correction=0)
+        lo, hi = torch.maximum(mean - arg * std, rows.amin(-1)), torch.minimum(mean + arg * std, rows.amax(-1))
+    if p.sym:  # one bound, symmetric about 0
+        lo, hi = -torch.maximum(lo.abs(), hi.abs()), torch.maximum(lo.abs(), hi.abs())
+    return lo.unsqueeze(2), hi.unsqueeze(2)
+
+
+def check_request(spec: KVSpec, observer: str, vllm: bool = False) -> None:
+    """Fail fast, before the slow part, on what calibration (and the vLLM export) cannot do."""
+    if not spec.needs_scales:
+        raise CalibrationError(f"KV spec '{spec}' has no static part to calibrate (e.g. int8:tensor:static)")
+    parse_observer(observer)
+    p = spec.k
+    if vllm and not (p == spec.v and p.sym and p.gran in ("tensor", "head") and p.dtype in ("fp8", "int8")):
+        raise CalibrationError(f"vLLM's KV scale convention needs one static sym per-tensor or per-head fp8/int8 "
+                               f"format for K and V (e.g. fp8:tensor:static); '{spec}' is not one")
+
+
+def static_scales(k: torch.Tensor, v: torch.Tensor, spec: KVSpec, observer: str = "minmax") -> dict[str, torch.Tensor]:
+    """Scales for the static parts of spec from recorded keys and values (L, H, T, D): compute_scales
+    over each group's two bounds, so the convention (qmax, rounding up, integer zero) is the dynamic one."""
+    check_request(spec, observer)
+    out = {}
+    for name, p, x in (("k", spec.k, k), ("v", spec.v, v)):
+        if p.static:
+            lo, hi = observe(x, p, observer)
+            scale, zero = compute_scales(torch.cat([lo, hi], 2), p, scale_dtype=torch.float32)  # (L, H|1, 1, G)
+            if p.sym:  # absmax / (absmax / qmax) may round a hair above qmax: one ulp up so nothing seen clips
+                scale = torch.where(hi / scale > p.qmax, torch.nextafter(scale, torch.tensor(math.inf)), scale)
+            out |= {f"{name}_scale": scale} | ({} if zero is None else {f"{name}_zero": zero})
+    return out
+
+
+def calibrate(model: Transformer, tokens: list[int], spec: KVSpec, observer: str = "minmax",
+              window: int = 1024, progress: bool = False) -> dict[str, torch.Tensor]:
+    """Record the model's keys/values over tokens and return static scales for spec."""
+    check_request(spec, observer)
+    rec = record(model, tokens, window, progress=progress)
+    return static_scales(rec.stacked("k"), rec.stacked("v"), spec, observer)
+
+
+def fingerprint(cfg: Config) -> dict[str, str]:
+    """What a scale file must agree on with the model: shapes, and a hash of the whole config."""
+    blob = json.dumps(dataclasses.asdict(cfg), sort_keys=True, default=str).encode()
+    return {"model_type": cfg.model_type, "n_layers": str(cfg.n_layers), "n_kv_heads": str(cfg.n_kv_heads),
+            "head_dim": str(cfg.head_dim), "config_hash": hashlib.sha256(blob).hexdigest()[:16]}
+
+
+def save_scales(path: str | Path, scales: dict[str, torch.Tensor], cfg: Config, spec: KVSpec,
+                observer: str, tokens: int) -> None:
+    meta = {"format": FORMAT, "spec": str(spec), "observer": observer, "tokens": str(tokens), **fingerprint(cfg)}
+    save_file({n: t.float().contiguous() for n, t in scales.items()}, str(path), metadata=meta)
+
+
+def load_scales(path: str | Path, cfg: Config, spec: KVSpec) -> dict[str, torch.Tensor]:
+    """Static scales from a calibration file, checked against the model and the spec's static parts."""
+    if not Path(path).is_file():
+        raise CalibrationError(f"scale file not found: {path}")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta, tensors = f.metadata() or {}, {n: f.get_tensor(n) for n in f.keys()}
+    except (SafetensorError, OSError) as e:
+        raise CalibrationError(f"{path} is not a safetensors file: {str(e).splitlines()[0]}") from None
+    if meta.get("format") != FORMAT:
+        raise CalibrationError(f"{path} is not a tinykv scale file (made by `tinykv calibrate`)")
+    if diff := [f"{k} {meta.get(k)} != {v}" for k, v in fingerprint(cfg).items() if meta.get(k) != v]:
+        raise CalibrationError(f"{path} was calibrated for another model ({', '.join(diff)} of this one)")
+    file_spec = KVSpec.parse(meta["spec"])
+    if not spec.needs_scales:
+        raise CalibrationError(f"--kv-scales given but KV spec '{spec}' has no static part ({path}: '{file_spec}')")
+    out = {}
+    for name, p, fp in (("k", spec.k, file_spec.k), ("v", spec.v, file_spec.v)):
+        if not p.static:
+            continue  # a dynamic or plain-cast part takes nothing from the file
+        if p != fp:
+            raise CalibrationError(f"{path} holds scales for {name}={fp}, not {name}={p} (it is for '{file_spec}')")
+        shape = (cfg.n_layers, *p.scale_shape(cfg.n_kv_heads, 1, cfg.head_dim))
+        for t in ["scale"] + ["zero"] * (not p.sym):
+            x = tensors.get(f"{name}_{t}")
+            if x is None or tuple(x.shape) != shape or not x.isfinite().all() or (t == "scale" and (x <= 0).any()):
+                raise CalibrationError(f"{path}: tensor {name}_{t} is missing, misshapen (want {shape}) or invalid")
+            out[f"{name}_{t}"] = x.float()
+    return out
+
+
+def export_vllm(scales: dict[str, torch.Tensor], spec: KVSpec, path: str | Path) -> dict:
+    """Write scales in vLLM's names and shapes (module docstring); the kv_cache_scheme entry is returned
+    and written beside them as NAME.kv_cache_scheme.json."""
+    check_request(spec, "minmax", vllm=True)
+    p, out = spec.k, {}
+    for name in ("k", "v"):
+        for i, s in enumerate(scales[f"{name}_scale"]):  # s: (H|1, 1, 1)
+            out[f"model.layers.{i}.self_attn.{name}_scale"] = s.float().reshape(-1 if p.gran == "tensor" else s.shape)
+    save_file({n: t.contiguous() for n, t in out.items()}, str(path))
+    scheme = {"num_bits": 8, "type": "float" if p.dtype == "fp8" else "int",
+              "strategy": "tensor" if p.gran == "tensor" else "attn_head", "dynamic": False, "symmetric": True}
+    Path(path).with_suffix(".kv_cache_scheme.json").write_text(json.dumps({"kv_cache_scheme": scheme}, indent=2))
+    return scheme
+
+
+def plot_channels(k: torch.Tensor, v: torch.Tensor, path: str | Path, n_layers: int = 4) -> None:
+    """PNG of per-channel absmax of keys and values (L, H, T, D) for a few layers: key outlier channels
+    (a few channels far above the rest) are why per-channel key scales beat per-token ones."""
+    from .evaluate import pyplot
+
+    plt, L = pyplot(), k.shape[0]
+    layers = sorted({round(i * (L - 1) / max(n_layers - 1, 1)) for i in range(n_layers)})
+    fig, axes = plt.subplots(2, len(layers), figsize=(4 * len(layers), 6), squeeze=False)
+    for col, layer in enumerate(layers):
+        for row, (name, x) in enumerate((("keys", k), ("values", v))):
+            amax = x[layer].abs().amax(1).flatten()  # (H * D,): channel c of head h at h * D + c
+            axes[row][col].bar(range(amax.numel()), amax.numpy(), width=1.0)
+            axes[row][col].set(title=f"layer {layer} {name}", xlabel="head * head_dim + channel", ylabel="absmax")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def run_cli(args) -> None:
+    """`tinykv calibrate`: see cli.py for the flags."""
+    from .cli import load_model
+    from .evaluate import read_tokens
+
+    spec = KVSpec.parse(args.kv)
+    check_request(spec, args.observer, vllm=bool(args.vllm_out))
+    model, path = load_model(args)
+    tokens = read_tokens(args.text, path, args.offset, args.max_tokens)
+    rec = record(model, tokens, args.window, progress=True)
+    k, v = rec.stacked("k"), rec.stacked("v")  # (L, H, T, D) each
+    scales = static_scales(k, v, spec, args.observer)
+    save_scales(args.out, scales, model.cfg, spec, args.observer, len(tokens))
+    print(f"[tinykv] {args.out}: {spec} scales from {len(tokens)} tokens ({args.observer})")
+    if args.vllm_out:
+        export_vllm(scales, spec, args.vllm_out)
+    if args.plot:
+        plot_channels(k, v, args.plot)

@@ -1,0 +1,249 @@
+"""Quality of a KV spec: perplexity with every token attending to the cache as stored, and a
+layer-by-layer attention-error report.
+
+Perplexity: the tokens are cut into non-overlapping windows of W tokens (the last one may be
+shorter). Each window is a fresh sequence in a real PagedKVCache, fed C tokens per step with logits
+for every token, so each prediction attends to keys and values exactly as the cache holds them at
+that moment (quantized, or still in full precision in a tail/residual/sink block). Within a window,
+token i + 1 is predicted from tokens 0..i; the first token of each window is not predicted. No
+context crosses a window boundary, so numbers are comparable between specs and with
+`reference_perplexity` (same windows, no cache) but not with sliding-window perplexities. C = 1 is
+exact decode; a larger C is faster, but a chunk's queries see its keys/values still unquantized in hot
+blocks (optimistic for per-block specs). fp32 storage equals the uncached model to float precision.
+
+Attention error: on the first window, each layer's exact post-RoPE q, k, v are recorded from the
+uncached model (so every layer sees exact inputs and the error is that layer's own). K and V are
+then stored the way the cache holds them once the whole window is written: dynamic scales per token
+or group, per block for tensor/head/channel (the partial tail block stays exact), static scales from
+the file, sink and residual blocks exact. Per layer, averaged over heads and queries:
+  kl_k    KL(p || p~) between attention probabilities with exact and stored keys
+  cos_k   1 - cos(o, o~) between attention outputs with stored keys only (values exact)
+  cos_v   the same with stored values only: probabilities are untouched, the error goes straight out
+  cos_kv  both stored, as in the cache
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from .cache import PagedKVCache
+from .calibrate import load_scales, record
+from .model import Transformer
+from .quant import KVSpec, QuantParams, compute_scales, dequantize, quantize
+
+
+class EvalError(ValueError):
+    """A user mistake in an evaluation request (missing text, bad window); one line."""
+
+
+@dataclass
+class EvalResult:
+    kv: str  # the spec, canonical
+    ppl: float
+    nll: float  # mean negative log-likelihood per predicted token, nats
+    tokens: int  # predicted tokens
+    windows: int
+    window: int
+    chunk: int
+    kv_bytes_per_token: float  # exact, from the pool's tensors (static scales are per layer, not counted)
+    saturated: int  # values clipped by static scales
+    seconds: float
+
+
+def read_tokens(text: str | Path, model_dir: str | Path, offset: int = 0, max_tokens: int | None = None) -> list[int]:
+    """Tokenize a text file with the model's tokenizer; keep tokens[offset:offset + max_tokens]."""
+    from .tokenizer import Tokenizer
+
+    if not Path(text).is_file():
+        raise EvalError(f"text file not found: {text}")
+    ids = Tokenizer.from_dir(model_dir).encode(Path(text).read_text(encoding="utf-8"))
+    ids = ids[offset:offset + max_tokens if max_tokens else None]
+    if len(ids) < 2:
+        raise EvalError(f"{text} has {len(ids)} tokens after --offset/--max-tokens; at least 2 are needed")
+    return ids
+
+
+def _windows(model: Transformer, tokens: list[int], window: int) -> list[list[int]]:
+    if not 2 <= window <= model.cfg.max_seq_len:
+        raise EvalError(f"window {window} must be in 2..{model.cfg.max_seq_len} (the model's context)")
+    return [w for s in range(0, len(tokens), window) if len(w := tokens[s:s + window]) >= 2]
+
+
+def _nll_sum(logits: torch.Tensor, targets: list[int]) -> float:
+    t = torch.tensor(targets, device=logits.device)
+    return F.cross_entropy(logits[:len(targets)].float(), t, reduction="none").double().sum().item()
+
+
+def new_cache(model: Transformer, spec: KVSpec, window: int, chunk: int, block_size: int = 16,
+              static_scales: dict[str, torch.Tensor] | None = None, attention: str = "torch") -> PagedKVCache:
+    """A cache just big enough for one window of one sequence fed chunk tokens per step."""
+    p = next(model.parameters())
+    return PagedKVCache(model.cfg, spec, math.ceil(window / block_size) + 2, block_size, max_seqs=1,
+                        max_step_tokens=chunk, device=p.device, dtype=p.dtype, static_scales=static_scales,
+                        attention=attention)
+
+
+def perplexity(model: Transformer, cache: PagedKVCache, tokens: list[int], window: int = 1024, chunk: int = 256,
+               progress: bool = False) -> EvalResult:
+    """Perplexity of tokens with every window fed through `cache` (see the module docstring)."""
+    if chunk < 1:
+        raise EvalError(f"chunk {chunk} must be >= 1")
+    wins = _windows(model, tokens, window)
+    dev, t0, nll, n = next(model.parameters()).device, time.perf_counter(), 0.0, 0
+    bar = tqdm(total=sum(len(w) for w in wins), desc=f"eval {cache.spec}", unit="tok", disable=not progress)
+    for win in wins:
+        cache.add_sequence(0)
+        for s in range(0, len(win), chunk):
+            feed = win[s:s + chunk]
+            plan = cache.plan([0], [feed], logits="all")
+            logits = model(torch.tensor(feed, device=dev), plan)  # (len(feed), V)
+            cache.commit(plan)
+            targets = win[s + 1:s + chunk + 1]  # the next token of each fed one, inside the window
+            nll, n = nll + _nll_sum(logits, targets), n + len(targets)
+            bar.update(len(feed))
+        cache.free(0)
+    bar.close()
+    return EvalResult(str(cache.spec), math.exp(nll / n), nll / n, n, len(wins), window, chunk,
+                      cache.bytes_per_token, cache.saturated, time.perf_counter() - t0)
+
+
+def reference_perplexity(model: Transformer, tokens: list[int], window: int = 1024) -> float:
+    """The same windows through the uncached model: what an fp32 cache must reproduce."""
+    dev, nll, n = next(model.parameters()).device, 0.0, 0
+    for win in _windows(model, tokens, window):
+        logits = model(torch.tensor([win], device=dev))[0]
+        nll, n = nll + _nll_sum(logits, win[1:]), n + len(win) - 1
+    return math.exp(nll / n)
+
+
+# ---- attention error ----------------------------------------------------------------------------
+def _exact_mask(T: int, spec: KVSpec, bs: int) -> torch.Tensor:
+    """(T,) True where the cache still holds a token in full precision once T tokens are written."""
+    j = torch.arange(T) // bs  # logical block of each token
+    sink = j < math.ceil(spec.sink / bs)
+    residual = (j + 1) * bs > T - spec.residual if spec.residual else torch.zeros(T, dtype=torch.bool)
+    tail = j >= T // bs if (spec.k.block_wise or spec.v.block_wise) else torch.zeros(T, dtype=torch.bool)
+    return sink | residual | tail
+
+
+def as_stored(x: torch.Tensor, p: QuantParams, bs: int = 16, scale: torch.Tensor | None = None,
+              zero: torch.Tensor | None = None) -> torch.Tensor:
+    """x (H, T, D) quantized and dequantized as the cache's store pool would (ignoring hot blocks)."""
+    if p.is_float:
+        return x.to(p.storage_dtype).float()
+    if p.static:
+        return dequantize(quantize(x, p, scale, zero, count=False)[0], p, scale, zero)
+    if not p.block_wise:  # per token (or per group of a token): scales from the token alone
+        s, z = compute_scales(x, p)
+        return dequantize(quantize(x, p, s, z, count=False)[0], p, s, z)
+    H, T, D = x.shape
+    nb = T // bs  # scales per full block; the partial tail has none yet (it stays exact)
+    xb = x[:, :nb * bs].reshape(H, nb, bs, D).transpose(0, 1)  # (nb, H, bs, D)
+    s, z = compute_scales(xb, p)
+    y = dequantize(quantize(xb, p, s, z, count=False)[0], p, s, z).transpose(0, 1).reshape(H, nb * bs, D)
+    return torch.cat([y, x[:, nb * bs:]], 1)
+
+
+def attention_error(model: Transformer, tokens: list[int], spec: KVSpec, block_size: int = 16,
+                    static_scales: dict[str, torch.Tensor] | None = None) -> list[dict[str, float]]:
+    """Per layer: kl_k, cos_k, cos_v, cos_kv over the first window `tokens` (see the module docstring)."""
+    rec = record(model, tokens, window=len(tokens), keep_q=True)
+    Q, K, V = (rec.stacked(w) for w in "qkv")  # (L, heads, T, D)
+    T, n_rep = K.shape[2], Q.shape[1] // K.shape[1]
+    exact = _exact_mask(T, spec, block_size)[None, :, None]  # (1, T, 1)
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    sm = 1.0 / math.sqrt(K.shape[-1])
+    out = []
+
+    def stored(x: torch.Tensor, p: QuantParams, name: str, layer: int) -> torch.Tensor:
+        pick = lambda t: None if static_scales is None or t not in static_scales else static_scales[t][layer]
+        y = as_stored(x, p, block_size, pick(f"{name}_scale"), pick(f"{name}_zero"))
+        return torch.where(exact, x, y).repeat_interleave(n_rep, 0)  # (Hq, T, D)
+
+    def one_minus_cos(a: torch.Tensor, b: torch.Tensor) -> float:
+        return (1 - F.cosine_similarity(a, b, dim=-1)).mean().item()
+
+    for layer in range(K.shape[0]):
+        q, k, v = Q[layer], K[layer].repeat_interleave(n_rep, 0), V[layer].repeat_interleave(n_rep, 0)
+        kq, vq = stored(K[layer], spec.k, "k", layer), stored(V[layer], spec.v, "v", layer)
+        logp, logpq = ((q @ kk.transpose(1, 2) * sm).masked_fill(~causal, float("-inf")).log_softmax(-1)
+                       for kk in (k, kq))  # (Hq, T, T)
+        p, pq = logp.exp(), logpq.exp()
+        kl = (p * (logp - logpq)).masked_fill(~causal, 0.0).sum(-1)  # (Hq, T); masked: 0 * nan
+        o = p @ v
+        out.append({"layer": layer, "kl_k": kl.mean().item(), "cos_k": one_minus_cos(pq @ v, o),
+                    "cos_v": one_minus_cos(p @ vq, o), "cos_kv": one_minus_cos(pq @ vq, o)})
+    return out
+
+
+# ---- reporting ----------------------------------------------------------------------------------
+def pyplot():
+    """matplotlib.pyplot on a file-only backend; a clear error when the optional extra is missing."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise EvalError("--plot needs matplotlib: pip install 'tinykv[plot]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def plot_sweep(results: list[EvalResult], path: str | Path) -> None:
+    """PNG: perplexity against KV bytes per token, one labelled point per spec."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(8, 5))
+    ax.scatter([r.kv_bytes_per_token for r in results], [r.ppl for r in results])
+    for r in results:
+        ax.annotate(r.kv, (r.kv_bytes_per_token, r.ppl), fontsize=7, xytext=(4, 4), textcoords="offset points")
+    ax.set(xscale="log", xlabel="KV bytes per token", ylabel=f"perplexity (windows of {results[0].window})")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def run_cli(args: argparse.Namespace) -> None:
+    """`tinykv eval`: see cli.py for the flags."""
+    from .cli import load_model, make_cache
+
+    specs = [KVSpec.parse(s) for s in [args.kv] + (args.plot_specs or [])]  # all parsed before any slow run
+    if args.plot_specs and not args.plot:
+        raise EvalError("--plot-specs needs --plot PNG")
+    model, path = load_model(args)
+    tokens = read_tokens(args.text, path, args.offset, args.max_tokens)
+    results = []
+    needs = [s.needs_scales for s in specs]
+    for i, spec in enumerate(specs):
+        # --kv-scales goes to the specs with static parts (a sweep may mix in dynamic ones); if none has
+        # any, to the first, so that load_scales names the mistake.
+        scales = args.kv_scales if needs[i] or (i == 0 and not any(needs)) else None
+        a = argparse.Namespace(**{**vars(args), "kv": str(spec), "kv_scales": scales})
+        cache = make_cache(model, a, args.window, max_seqs=1, max_step_tokens=args.chunk)
+        results.append(r := perplexity(model, cache, tokens, args.window, args.chunk, progress=True))
+        print(f"[tinykv] {r.kv}: ppl {r.ppl:.4f}, {r.kv_bytes_per_token:.0f} KV bytes/token, {r.tokens} tokens, "
+              f"{r.seconds:.0f} s", file=sys.stderr)
+    report = asdict(results[0]) | ({"sweep": [asdict(r) for r in results]} if args.plot else {})
+    if args.attn_error:
+        static = load_scales(args.kv_scales, model.cfg, specs[0]) if specs[0].needs_scales else None
+        report["attn_error"] = attention_error(model, tokens[:args.window], specs[0], args.block_size, static)
+    if args.plot:
+        plot_sweep(results, args.plot)
+    if args.json:
+        print(json.dumps(report))
+        return
+    for r in report.get("sweep", [report]):
+        print(f"ppl {r['ppl']:.4f} over {r['tokens']} tokens, kv {r['kv']}, {r['kv_bytes_per_token']:.0f} bytes/token")
+    if "attn_error" in report:
+        print("layer      kl_k      cos_k      cos_v     cos_kv   (cos_* = 1 - cosine of attention outputs)")
+        for e in report["attn_error"]:
+            print(f"{e['layer']:5d} {e['kl_k']:9.2e} {e['cos_k']:10.2e} {e['cos_v']:10.2e} {e['cos_kv']:10.2e}")
