@@ -1,0 +1,117 @@
+"""The end-to-end benchmark (tinykv/bench_e2e.py) on a tiny random model: its measuring functions, the
+token check, the JSON it writes and the README section made from it. Fast; needs no real weights or text."""
+
+import json
+import math
+
+import pytest
+import torch
+from hf_tiny import make_hf_model
+
+from tinykv import bench_e2e as be
+from tinykv.model import Transformer
+
+# The shape of bench_e2e.MODES, shrunk to a tiny model (512-token context) and a few seconds.
+TINY = dict(lengths=[8, 24], new=4, reps=2, batches=[3], batch_lens=[5, 12], batch_new=3, ppl_tokens=64, window=32)
+SPECS = ["fp32", "int8"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny ops are what these tests run: one thread is faster, and steady on a busy machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = tmp_path_factory.mktemp("bench-llama")
+    hf = make_hf_model("llama", 4, 2, 64, d)
+    return d, hf, Transformer.from_pretrained(d, device="cpu")
+
+
+def ids(n: int, seed: int = 0) -> list[int]:
+    return torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_tokens_match_really_compares():
+    assert be.tokens_match([5, 6, 7], [5, 6, 7]) == {"match": True, "first_diff": None}
+    assert be.tokens_match([5, 6, 7], [5, 9, 7]) == {"match": False, "first_diff": 1}
+    assert be.tokens_match([5, 6], [5, 6, 7]) == {"match": False, "first_diff": 2}
+
+
+def test_time_functions_generate_exactly_n_tokens(tiny):
+    _, hf, model = tiny
+    prompt = ids(20)
+    for r in (be.time_tinykv(model, prompt, "int4", 5), be.time_hf(hf, prompt, 5)):
+        assert len(r["ids"]) == 5 and r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0
+    assert be.time_tinykv(model, prompt, "fp32", 5)["ids"] == be.time_hf(hf, prompt, 5)["ids"]  # greedy parity
+
+
+def test_e2e_flags_different_tokens(tiny, monkeypatch):
+    """Feed the comparison transformers tokens that are off by one: the row must say they differ."""
+    _, hf, model = tiny
+    real = be.time_hf
+
+    def shifted(*a, **k):
+        r = real(*a, **k)
+        return {**r, "ids": r["ids"][:2] + [(t + 1) % 256 for t in r["ids"][2:]]}
+    monkeypatch.setattr(be, "time_hf", shifted)
+    (row,) = [r for r in be.bench_e2e(model, hf, ids(40), [16], 5, ["fp32"], 1, False) if r["engine"] == "tinykv"]
+    assert row["match_vs_hf"] is False and row["first_diff_vs_hf"] == 2
+
+
+def test_collect_structure(tiny):
+    _, hf, model = tiny
+    ticks = []
+    res = be.collect(model, hf, ids(200), TINY, SPECS, batch_kv="int8", tick=ticks.append)
+    json.dumps(res)  # everything serializable
+    assert len(ticks) == 3 * (1 + 2 * 2) + 2 + len(be.MEM_SPECS)  # what run() sizes its progress bar to
+    assert {(r["prompt_len"], r["engine"], r["kv"]) for r in res["e2e"]} == {
+        (L, e, kv) for L in (8, 24) for e, kv in [("tinykv", "fp32"), ("tinykv", "int8"), ("transformers", "default")]}
+    for r in res["e2e"]:
+        assert r["runs"] == 2 and len(r["decode_tok_s_all"]) == 2 and len(r["ids"]) == 4
+        assert r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0
+        if r["engine"] == "tinykv":
+            assert r["decode_x_hf_default"] > 0 and isinstance(r["match_vs_hf"], bool)
+            assert r["match_vs_hf"] or r["kv"] != "fp32"  # an unquantized cache must give transformers' tokens
+    (b,) = res["batch"]
+    assert b["prompts"] == 3 and b["prompt_tokens"] >= 15 and b["speedup"] > 0 and b["same_tokens"] == 1.0
+    mem = {r["kv"]: r for r in res["memory"]["rows"]}
+    assert len(mem) == len(be.MEM_SPECS)
+    L, H, D = model.cfg.n_layers, model.cfg.n_kv_heads, model.cfg.head_dim
+    assert mem["fp32"]["bytes_per_token"] == mem["fp32"]["formula_bytes_per_token"] == 2 * L * H * D * 4
+    assert mem["int4"]["bytes_per_token"] < mem["int8"]["bytes_per_token"] < mem["fp16"]["bytes_per_token"]
+    for r in mem.values():
+        assert r["bytes_per_token"] == pytest.approx(r["formula_bytes_per_token"])
+        assert r["max_context"] * r["bytes_per_token"] + r["hot_bytes_per_seq"] <= be.BUDGET and r["max_batch"] > 0
+    q = res["quality"]
+    assert "note" in q or (len(q["rows"]) == len(be.MEM_SPECS) and all(math.isfinite(r["ppl"]) for r in q["rows"]))
+
+
+def test_cli_writes_json_charts_and_readme(tiny, tmp_path, monkeypatch, capsys):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    d, _, _ = tiny
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(256)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(d / "tokenizer.json"))
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(f"w{i}" for i in ids(300)))
+    monkeypatch.setitem(be.MODES, "quick", TINY)
+    out = tmp_path / "bench" / "results.json"
+    args = ["--quick", "--weights", str(d), "--device", "cpu", "--text", str(text), "--out", str(out), "--kv", "int8",
+            "--threads", "0"]  # 0: leave torch's thread count as it is
+    assert be.main(args) == 0
+    res = json.loads(out.read_text())
+    assert res["machine"]["torch"] == torch.__version__ and res["machine"]["device"] == "cpu"
+    assert res["config"]["lengths"] == [8, 24] and res["config"]["specs"] == ["int8"]
+    for path in (v for k, v in res["charts"].items() if k != "note"):
+        assert (tmp_path / "bench" / path.rsplit("/", 1)[-1]).stat().st_size > 0
+    assert "| tinykv int8" in capsys.readouterr().out
+    assert be.main(["--readme", "--out", str(out)]) == 0
+    md = capsys.readouterr().out
+    assert md.startswith("## Results") and "| tinykv int8" in md and "decode tok/s" in md
+    assert be.main(["--text", str(tmp_path / "missing.txt"), "--out", str(out)]) == 1

@@ -1,0 +1,345 @@
+"""End-to-end benchmark, `python -m tinykv bench`: tinykv beside Hugging Face transformers on the same weights.
+
+e2e: batch-1 greedy prefill/decode tokens/s per prompt length, tinykv KV specs beside transformers' default and
+quantized (quanto int4) caches, engines alternating, medians, greedy tokens compared; decode tokens/s = (new - 1)
+/ (first new token to last). batch: continuous batching vs one by one. memory: KV bytes/token and what 256 MiB
+holds. quality: perplexity per spec (tinykv.evaluate). One JSON, PNG charts, `render_readme` for the README.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import importlib.util
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from itertools import zip_longest
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from .cache import PagedKVCache
+from .cli import add_cache_args, add_model_args, load_model, make_cache
+from .generate import Engine, Sampling
+from .quant import KVSpec, bytes_per_token
+
+DEFAULT_TEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2-raw-test.txt"
+KIVI = "k=int4:channel:asym,v=int4:g32:asym,residual=64"
+MEM_SPECS = ["fp32", "fp16", "fp8", "int8", "int4", "int2", KIVI]
+BUDGET = 256 * 2**20  # KV bytes, for the memory part
+HF_QUANT = {"backend": "quanto", "nbits": 4}  # transformers' defaults otherwise: q_group_size 64, residual 128
+MODES = {  # prompt lengths, new tokens, repetitions; batch sizes, prompt lengths, new tokens; perplexity tokens
+    "full": dict(lengths=[128, 1024, 4096], new=64, reps=3, batches=[16, 64], batch_lens=[32, 512], batch_new=32,
+                 ppl_tokens=8192, window=1024),
+    "quick": dict(lengths=[128, 1024], new=32, reps=1, batches=[16], batch_lens=[16, 128], batch_new=16,
+                  ppl_tokens=2048, window=1024),
+}
+Tick = Callable[[str], None]  # progress: called once per finished measurement
+_nop: Tick = lambda _: None
+
+
+def machine_info(device: torch.device) -> dict:
+    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else []
+    cpu = next((ln.split(":", 1)[1].strip() for ln in cpuinfo if ln.startswith("model name")), platform.machine())
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+            "python": platform.python_version(), "device": str(device), "date": time.strftime("%Y-%m-%d %H:%M"),
+            "load_avg": os.getloadavg() if hasattr(os, "getloadavg") else None,
+            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+            "transformers": importlib.metadata.version("transformers") if importlib.util.find_spec("transformers")
+            else None}
+
+
+# ---- measuring ------------------------------------------------------------------------------------
+def run_engine(model, prompts: list[list[int]], kv: str, n_new: int, max_batch: int = 1):
+    """Exactly n_new greedy tokens per prompt through one engine and the cache `generate --kv KV` would build."""
+    ap = argparse.ArgumentParser()
+    add_cache_args(ap)
+    cache = make_cache(model, ap.parse_args(["--kv", kv]), sum(len(p) + n_new for p in prompts),
+                       max_seqs=min(len(prompts), max_batch))
+    eng = Engine(model, cache, max_batch=max_batch)
+    rids = [eng.add(p, Sampling(temperature=0, max_new_tokens=n_new)) for p in prompts]
+    t0 = time.perf_counter()
+    list(eng.run())
+    return eng, time.perf_counter() - t0, [eng.requests[r].new_ids for r in rids]
+
+
+def time_tinykv(model, prompt: list[int], kv: str, n_new: int) -> dict:
+    """Batch-1 tokens/s from the engine's own prefill/decode split."""
+    eng, _, (new,) = run_engine(model, [prompt], kv, n_new)
+    s = eng.stats
+    return {"prefill_tok_s": s.prefill_tokens / s.prefill_s, "decode_tok_s": s.decode_tokens / s.decode_s, "ids": new}
+
+
+def time_hf(hf, prompt: list[int], n_new: int, quantized: bool = False) -> dict:
+    """transformers' greedy generate() of exactly n_new tokens, with its default or its quantized cache."""
+    x = torch.tensor([prompt], device=hf.device)
+    kw = {"cache_implementation": "quantized", "cache_config": dict(HF_QUANT)} if quantized else {}
+    stamps: list[float] = []  # a streamer that only timestamps: generate() puts the prompt, then each new token
+    clock = SimpleNamespace(put=lambda _: stamps.append(time.perf_counter()), end=lambda: None)
+    t0 = time.perf_counter()
+    out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n_new, min_new_tokens=n_new,
+                      do_sample=False, pad_token_id=hf.generation_config.pad_token_id or 0, streamer=clock, **kw)
+    t = stamps[1:]  # t[i]: new token i is on the host
+    return {"prefill_tok_s": len(prompt) / (t[0] - t0), "decode_tok_s": (len(t) - 1) / (t[-1] - t[0]),
+            "ids": out[0, len(prompt):].tolist()}
+
+
+def tokens_match(ours: list[int], ref: list[int]) -> dict:
+    """Greedy tokens compared one by one: match, and the first index where they differ (None if equal)."""
+    diff = next((i for i, (a, b) in enumerate(zip_longest(ours, ref)) if a != b), None)
+    return {"match": diff is None, "first_diff": diff}
+
+
+def bench_e2e(model, hf, ids: list[int], lengths: list[int], n_new: int, specs: list[str], reps: int,
+              hf_quant: bool, tick: Tick = _nop) -> list[dict]:
+    """Rows (prompt_len, engine, kv) of median prefill/decode tokens/s; tinykv rows compared to transformers."""
+    tk = [("tinykv", s) for s in specs]
+    ref = [("transformers", "default"), ("transformers", "quanto-int4")][:(hf is not None) * (1 + hf_quant)]
+    order = [e for i in range(max(len(tk), len(ref))) for e in tk[i:i + 1] + ref[i:i + 1]]  # tinykv, hf, tinykv...
+    measure = lambda e, prompt, n: (time_tinykv(model, prompt, e[1], n) if e[0] == "tinykv"
+                                    else time_hf(hf, prompt, n, quantized=e[1] != "default"))
+    for e in order:  # warm-up: first calls (allocators, quanto's kernels) are not what we measure
+        measure(e, ids[:160], 3)
+        tick(f"warm-up {e[0]} {e[1]}")
+    rows = []
+    for L in lengths:
+        runs: dict = {e: [] for e in order}
+        for rep in range(reps):
+            for e in order[rep % len(order):] + order[:rep % len(order)]:  # rotated: drift hits every engine
+                runs[e].append(measure(e, ids[:L], n_new))
+                tick(f"{L} tokens: {e[0]} {e[1]}")
+        rows += [{"prompt_len": L, "engine": engine, "kv": kv, "new_tokens": n_new, "runs": len(rs),
+                  "prefill_tok_s": statistics.median(r["prefill_tok_s"] for r in rs),
+                  "decode_tok_s": statistics.median(r["decode_tok_s"] for r in rs),
+                  "decode_tok_s_all": [r["decode_tok_s"] for r in rs], "ids": rs[0]["ids"]}
+                 for (engine, kv), rs in runs.items()]
+    for r in rows:  # the same greedy tokens as transformers? how many times its speed?
+        hf_rows = {x["kv"]: x for x in rows if x["prompt_len"] == r["prompt_len"] and x["engine"] == "transformers"}
+        if r["engine"] == "tinykv" and "default" in hf_rows:
+            r.update({f"{k}_vs_hf": v for k, v in tokens_match(r["ids"], hf_rows["default"]["ids"]).items()})
+            for kv, x in hf_rows.items():
+                r[f"decode_x_hf_{kv}"] = r["decode_tok_s"] / x["decode_tok_s"]
+    return rows
+
+
+def bench_batch(model, prompts: list[list[int]], kv: str, n_new: int, tick: Tick = _nop) -> dict:
+    """The prompts through Engine(max_batch=len(prompts)) and one by one: generated and total tokens/s."""
+    _, t_b, ids_b = run_engine(model, prompts, kv, n_new, len(prompts))
+    tick(f"{len(prompts)} prompts: continuous batching")
+    one = [run_engine(model, [p], kv, n_new) for p in prompts]
+    t_s, ids_s = sum(x[1] for x in one), [x[2][0] for x in one]
+    tick(f"{len(prompts)} prompts: one by one")
+    new, prompt = sum(map(len, ids_b)), sum(map(len, prompts))
+    return {"prompts": len(prompts), "kv": kv, "new_tokens": n_new, "prompt_tokens": prompt, "batched_s": t_b,
+            "sequential_s": t_s, "batched_gen_tok_s": new / t_b, "sequential_gen_tok_s": new / t_s,
+            "batched_total_tok_s": (new + prompt) / t_b, "sequential_total_tok_s": (new + prompt) / t_s,
+            "speedup": t_s / t_b, "same_tokens": sum(a == b for a, b in zip(ids_b, ids_s)) / len(prompts)}
+
+
+def bench_memory(cfg, specs: list[str], budget: int = BUDGET, context: int = 1024, block_size: int = 16,
+                 dtype: torch.dtype = torch.float32) -> list[dict]:
+    """Exact KV bytes/token per spec (the pool's tensors, and the formula), and what `budget` bytes hold."""
+    rows = []
+    for s in specs:
+        spec = KVSpec.parse(s)
+        c = PagedKVCache(cfg, spec, 2, block_size, max_seqs=1, max_step_tokens=block_size, dtype=dtype)
+        # full-precision blocks the cache reserves per sequence (sink, residual window, tails awaiting scales)
+        hot_seq = c.hot.nbytes // c.n_hot * (c.sink_blocks + c.res_blocks + 2) if c.n_hot else 0
+        per_block = c.bytes_per_token * block_size
+        formula = cfg.n_layers * sum(bytes_per_token(p, cfg.n_kv_heads, cfg.head_dim, block_size)
+                                     for p in (spec.k, spec.v))
+        per_seq = -(-context // block_size) * per_block + hot_seq
+        rows.append({"kv": str(spec), "bytes_per_token": c.bytes_per_token, "formula_bytes_per_token": formula,
+                     "hot_bytes_per_seq": hot_seq, "max_context": int((budget - hot_seq) // per_block) * block_size,
+                     "max_batch": int(budget // per_seq), "batch_context": context})
+    return rows
+
+
+def bench_quality(model, tokens: list[int], specs: list[str], window: int, tick: Tick = _nop) -> dict:
+    """Perplexity per spec through the cache (tinykv.evaluate), or a note saying why there is none."""
+    try:
+        from . import evaluate
+    except ImportError as e:
+        return {"note": f"skipped: tinykv.evaluate is not available ({e})", "rows": []}
+    rows = []
+    for s in specs:
+        r = evaluate.perplexity(model, evaluate.new_cache(model, KVSpec.parse(s), window, 256), tokens, window, 256)
+        rows.append({"kv": r.kv, "ppl": r.ppl, "bytes_per_token": r.kv_bytes_per_token, "tokens": r.tokens})
+        tick(f"perplexity {s}")
+    return {"window": window, "chunk": 256, "tokens": len(tokens), "rows": rows}
+
+
+def collect(model, hf, ids: list[int], m: dict, specs: list[str], batch_kv: str = "int8",
+            hf_quant: bool = False, tick: Tick = _nop) -> dict:
+    """Every part of the benchmark in mode `m` (see MODES), prompts cut from the token ids `ids`."""
+    need = max(m["lengths"]) + max(m["batches"]) * m["batch_lens"][1]
+    if len(ids) < need:
+        raise ValueError(f"the text has {len(ids)} tokens; this benchmark needs {need}")
+    hf_q = ("quanto int4, q_group_size 64, residual_length 128" if hf_quant else
+            "not installed (pip install optimum-quanto)" if hf is not None else "skipped")
+    out = {"config": {**m, "specs": specs, "batch_kv": batch_kv, "transformers": hf is not None,
+                      "transformers_quantized": hf_q}}
+    out["e2e"] = bench_e2e(model, hf, ids, m["lengths"], m["new"], specs, m["reps"], hf_quant, tick)
+    rng, out["batch"] = random.Random(0), []
+    for n in m["batches"]:  # prompts cut one after another from the text, after the e2e prompt
+        lens = [rng.randint(*m["batch_lens"]) for _ in range(n)]
+        starts = [max(m["lengths"]) + sum(lens[:i]) for i in range(n)]
+        prompts = [ids[s:s + k] for s, k in zip(starts, lens)]
+        out["batch"].append(bench_batch(model, prompts, batch_kv, m["batch_new"], tick))
+    out["memory"] = {"budget_bytes": BUDGET, "rows": bench_memory(model.cfg, MEM_SPECS, dtype=model.embed.weight.dtype)}
+    out["quality"] = bench_quality(model, ids[:m["ppl_tokens"]], MEM_SPECS, min(m["window"], m["ppl_tokens"]), tick)
+    return out
+
+
+# ---- reporting ------------------------------------------------------------------------------------
+_name = lambda r: f"{r['engine']} {r['kv']}"
+
+
+def _md(head: list[str], rows: list[list], right: int = 1) -> list[str]:
+    """A Markdown table padded to aligned columns (readable printed too); columns from `right` on align right."""
+    cells = [head] + [[str(c) for c in r] for r in rows]
+    w = [max(len(r[i]) for r in cells) for i in range(len(head))]
+    line = lambda r: "| " + " | ".join(c.rjust(w[i]) if i >= right else c.ljust(w[i]) for i, c in enumerate(r)) + " |"
+    rule = "|" + "|".join("-" * (w[i] + 1) + (":" if i >= right else "-") for i in range(len(head))) + "|"
+    return [line(head), rule] + [line(r) for r in cells[1:]]
+
+
+def tables(res: dict) -> list[str]:
+    """The side-by-side tables: e2e (ratios, token check), batching, memory with perplexity."""
+    x = lambda r, k: f"{r[k]:.2f}x" if k in r else "-"
+    q, mem, qn = {r["kv"]: f"{r['ppl']:.3f}" for r in res["quality"]["rows"]}, res["memory"], res["quality"]
+    e2e = [[_name(r), r["prompt_len"], f"{r['prefill_tok_s']:.1f}", f"{r['decode_tok_s']:.2f}",
+            x(r, "decode_x_hf_default"), x(r, "decode_x_hf_quanto-int4"), r.get("match_vs_hf", "-")]
+           for r in res["e2e"]]
+    batch = [[f"{b['prompts']} prompts", b["kv"], b["new_tokens"], f"{b['batched_gen_tok_s']:.1f}",
+              f"{b['sequential_gen_tok_s']:.1f}", f"{b['batched_total_tok_s']:.0f}", f"{b['speedup']:.2f}x"]
+             for b in res["batch"]]
+    memory = [[f"`{r['kv']}`", f"{r['bytes_per_token']:.0f}", r["max_context"], r["max_batch"], q.get(r["kv"], "-")]
+              for r in mem["rows"]]
+    return (_md(["engine / KV", "prompt", "prefill tok/s", "decode tok/s", "vs transformers", "vs transformers int4",
+                 "same tokens"], e2e) + [""]
+            + _md(["batch", "KV", "new/prompt", "batched gen tok/s", "one by one", "batched total tok/s", "speedup"],
+                  batch, right=2) + [""]
+            + _md(["KV spec", "bytes/token", f"longest context in {mem['budget_bytes'] >> 20} MiB",
+                   f"batch of {mem['rows'][0]['batch_context']}-token seqs", "perplexity"], memory)
+            + [f"\nPerplexity: {qn['note']}." if "note" in qn else
+               f"\nPerplexity over {qn['tokens']} tokens of the text, windows of {qn['window']}, through the cache."])
+
+
+def charts(res: dict, out_dir: Path) -> dict:
+    """PNG charts next to the JSON: decode tokens/s by prompt length, perplexity by KV bytes/token."""
+    try:
+        import matplotlib
+    except ImportError:
+        return {"note": "skipped: matplotlib is not installed (pip install 'tinykv[plot]')"}
+    matplotlib.use("Agg")  # files only
+    import matplotlib.pyplot as plt
+
+    def save(fig, ax, key: str) -> str:
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(out_dir / f"{key}.png", dpi=100)
+        plt.close(fig)
+        return str(out_dir / f"{key}.png")
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name in dict.fromkeys(_name(r) for r in res["e2e"]):
+        rs = [r for r in res["e2e"] if _name(r) == name]
+        ax.plot([r["prompt_len"] for r in rs], [r["decode_tok_s"] for r in rs], marker="o", label=name)
+    ax.set(xscale="log", xlabel="prompt tokens", ylabel="decode tokens/s (batch 1, greedy)")
+    ax.set_xticks(res["config"]["lengths"], [str(n) for n in res["config"]["lengths"]])
+    ax.legend(fontsize=8)
+    made = {"decode": save(fig, ax, "decode_tok_s")}
+    if res["quality"]["rows"]:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for r in res["quality"]["rows"]:
+            xy = (r["bytes_per_token"], r["ppl"])
+            ax.scatter(*xy)
+            ax.annotate(r["kv"], xy, fontsize=7, xytext=(3, 3), textcoords="offset points")
+        ax.set(xscale="log", yscale="log", xlabel="KV bytes per token", ylabel="perplexity")
+        made["ppl"] = save(fig, ax, "ppl_vs_bytes")
+    return made
+
+
+def render_readme(results: dict | str | Path) -> str:
+    """The README's Markdown "Results" section (tables, chart links, machine, command) from bench/results.json."""
+    res = results if isinstance(results, dict) else json.loads(Path(results).read_text())
+    m, c = res["machine"], res["config"]
+    gpu = f", {m['gpu']}" if m.get("gpu") else ""
+    head = (f"`{res['command']}` on {m['cpu']} ({m['cores']} cores, {m['device']}{gpu}), torch {m['torch']}, "
+            f"transformers {m.get('transformers') or '-'}, {m['date']}. Greedy, batch 1, {c['new']} new tokens, "
+            f"median of {c['reps']}; transformers' quantized cache: {c['transformers_quantized']}.")
+    links = [f"![{k}]({v})" for k, v in res.get("charts", {}).items() if k != "note"]
+    return "\n".join(["## Results", "", head, ""] + tables(res) + [""] + links) + "\n"
+
+
+# ---- command line ---------------------------------------------------------------------------------
+def add_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--quick", action="store_true", help="prompts of 128 and 1024 tokens, fewer runs (minutes)")
+    ap.add_argument("--text", help=f"text to cut prompts from (default: {DEFAULT_TEXT} when it exists)")
+    ap.add_argument("--out", default="bench/results.json", help="results JSON; charts go beside it")
+    ap.add_argument("--readme", action="store_true", help="print the README Results section from --out and exit")
+    ap.add_argument("--kv", nargs="+", default=["fp16", "int8", "int4"], help="tinykv KV specs for the e2e part")
+    ap.add_argument("--batch-kv", default="int8", help="KV spec for the batching part")
+    ap.add_argument("--reps", type=int, help="repetitions per point (default: 3, quick: 1)")
+    ap.add_argument("--no-transformers", action="store_true", help="tinykv only")
+    add_model_args(ap)  # --weights --device --dtype --threads
+    ap.set_defaults(threads=1)  # steady on a shared machine, where waiting threads slow small ops ~10x
+
+
+def run(args: argparse.Namespace) -> dict | None:
+    from tqdm import tqdm
+
+    from .tokenizer import Tokenizer
+
+    if args.readme:
+        print(render_readme(Path(args.out)), end="")
+        return None
+    text = Path(args.text) if args.text else DEFAULT_TEXT
+    if not text.is_file():
+        raise ValueError(f"text file not found: {text} (pass --text FILE)")
+    specs = args.kv
+    mode = {**MODES["quick" if args.quick else "full"], **({"reps": args.reps} if args.reps else {})}
+    model, path = load_model(args)
+    ids = Tokenizer.from_dir(path).encode(text.read_text(encoding="utf-8")[:1_000_000])
+    hf, hf_quant, p = None, False, next(model.parameters())
+    if not args.no_transformers and importlib.util.find_spec("transformers"):
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+        hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=p.dtype).to(p.device).eval()
+        hf_quant = bool(importlib.util.find_spec("optimum") and importlib.util.find_spec("optimum.quanto"))
+    n_eng = len(specs) + (hf is not None) + hf_quant
+    bar = tqdm(total=n_eng * (1 + len(mode["lengths"]) * mode["reps"]) + 2 * len(mode["batches"]) + len(MEM_SPECS),
+               desc="bench", unit="run")
+    tick = lambda what: (bar.set_postfix_str(what), bar.update())
+    argv = sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:]
+    res = {"command": " ".join(["python -m tinykv bench", *argv]), "machine": machine_info(p.device),
+           "weights": str(path), "text": str(text)}
+    res.update(collect(model, hf, ids, mode, specs, args.batch_kv, hf_quant, tick))
+    bar.close()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    res["charts"] = charts(res, out.parent)
+    out.write_text(json.dumps(res, indent=1))
+    print("\n".join(tables(res)))
+    print(f"[tinykv] results in {out}" + "".join(f", {v}" for k, v in res["charts"].items() if k != "note"))
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="tinykv bench", description=__doc__.splitlines()[0],
+                                 epilog="--threads is 1 here unless given: steady numbers on a shared machine")
+    add_args(ap)
+    try:
+        run(ap.parse_args(argv))
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
