@@ -279,7 +279,9 @@ def dequantize(stored: torch.Tensor, p: QuantParams, scale: torch.Tensor | None,
         return stored.to(out_dtype)
     assert scale is not None, f"{p} needs a scale"
     q = unpack(stored, p.per_byte).float().unflatten(-1, (scale.shape[-1], -1))
-    return ((q - _zero_point(p, zero)) * scale.float().unsqueeze(-1)).flatten(-2).to(out_dtype)
+    if zero is not None or p.offset:  # signed int8 codes need no shift: skip a full-size pass
+        q = q - _zero_point(p, zero)
+    return (q * scale.float().unsqueeze(-1)).flatten(-2).to(out_dtype)
 
 
 def bytes_per_token(p: QuantParams, n_kv_heads: int, head_dim: int, block_size: int | None = None,
