@@ -167,3 +167,11 @@ def test_engine_preempts_and_recomputes():
         r = alone.add(p, s)
         list(alone.run())
         assert eng.requests[rid].new_ids == alone.requests[r].new_ids
+
+
+def test_single_block_pool():
+    """A pool of one block (block size covering the whole sequence) still attends correctly."""
+    m = tiny()
+    toks = list(range(1, 12))
+    got = run_cached(m, PagedKVCache(m.cfg, KVSpec.parse("fp32"), 1, 16), {0: toks}, chunk=4)[0]
+    torch.testing.assert_close(got, m(torch.tensor([toks]))[0], atol=1e-5, rtol=1e-5)

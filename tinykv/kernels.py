@@ -38,9 +38,13 @@ class PoolLayer:
 
 def gather_dequant(pool: PoolLayer, ids: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
     """Blocks `ids` (any shape S) of a pool, dequantized: (*S, H, BS, D)."""
-    def pick(t):  # a layer-wide (static) scale broadcasts as it is: no need to gather copies of it
-        return t if t is None or t.shape[0] == 1 else t[ids]
-    return dequantize(pool.data[ids], pool.p, pick(pool.scale), pick(pool.zero), out_dtype=dtype)
+    flat = ids.reshape(-1)
+
+    def pick(t, always=False):  # whole blocks by index_select (cheaper than advanced indexing)
+        if t is None or (t.shape[0] == 1 and not always):  # a layer-wide (static) scale broadcasts as it is
+            return t
+        return t.index_select(0, flat).view(*ids.shape, *t.shape[1:])
+    return dequantize(pick(pool.data, always=True), pool.p, pick(pool.scale), pick(pool.zero), out_dtype=dtype)
 
 
 def paged_attention_ref(q: torch.Tensor, q_seq: torch.Tensor, q_pos: torch.Tensor, k: PoolLayer,
