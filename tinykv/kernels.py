@@ -40,16 +40,15 @@ def gather_dequant(pool: PoolLayer, ids: torch.Tensor, dtype=torch.float32) -> t
     """Blocks `ids` (any shape S) of a pool, dequantized: (*S, H, BS, D)."""
     flat = ids.reshape(-1)
 
-    def pick(t, always=False):  # whole blocks by index_select (cheaper than advanced indexing)
-        if t is None or (t.shape[0] == 1 and not always):  # a layer-wide (static) scale broadcasts as it is
-            return t
-        return t.index_select(0, flat).view(*ids.shape, *t.shape[1:])
+    def pick(t, always=False):  # whole blocks by index_select; a layer-wide (static) scale broadcasts as is
+        keep = t is None or (t.shape[0] == 1 and not always)
+        return t if keep else t.index_select(0, flat).view(*ids.shape, *t.shape[1:])
     return dequantize(pick(pool.data, always=True), pool.p, pick(pool.scale), pick(pool.zero), out_dtype=dtype)
 
 
 def paged_attention_ref(q: torch.Tensor, q_seq: torch.Tensor, q_pos: torch.Tensor, k: PoolLayer,
                         v: PoolLayer, block_table: torch.Tensor, ctx_lens: torch.Tensor,
-                        sm_scale: float, acc: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+                        sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of packed queries over paged K/V.
 
     q (N, Hq, D); q_seq (N,) row of block_table for each query, rows contiguous and in order;
@@ -57,16 +56,13 @@ def paged_attention_ref(q: torch.Tensor, q_seq: torch.Tensor, q_pos: torch.Tenso
     ctx_lens (B,) valid key positions per row. Returns o (N, Hq, D) float32 and the natural-log
     sum-exp of the scores lse (N, Hq) float32 (-inf where a query sees no key in this pool), so
     partial results over disjoint key sets merge exactly (`merge_partials`).
-    `acc` is the dtype of the arithmetic (float64 gives a high-precision reference).
     """
-    N, Hq, D = q.shape
-    B, MB = block_table.shape
-    H, BS = k.data.shape[1], k.data.shape[2]
+    (N, Hq, D), (B, MB), (H, BS) = q.shape, block_table.shape, k.data.shape[1:3]
     n_rep = Hq // H
     ids = block_table.clamp(min=0).long()
     # (B, MB, H, BS, D) -> (B, H, S, D), S = MB * BS in logical order
-    K = gather_dequant(k, ids, acc).permute(0, 2, 1, 3, 4).reshape(B, H, MB * BS, D)
-    V = gather_dequant(v, ids, acc).permute(0, 2, 1, 3, 4).reshape(B, H, MB * BS, D)
+    K = gather_dequant(k, ids).permute(0, 2, 1, 3, 4).reshape(B, H, MB * BS, D)
+    V = gather_dequant(v, ids).permute(0, 2, 1, 3, 4).reshape(B, H, MB * BS, D)
     key_pos = torch.arange(MB * BS, device=q.device)
     valid = (block_table >= 0).repeat_interleave(BS, dim=1) & (key_pos < ctx_lens[:, None])  # (B, S)
     # Queries of one row padded to (B, Tq, ...): row b's queries are contiguous in the packed stream.
@@ -74,8 +70,8 @@ def paged_attention_ref(q: torch.Tensor, q_seq: torch.Tensor, q_pos: torch.Tenso
     starts = torch.cumsum(counts, 0) - counts
     rank = torch.arange(N, device=q.device) - starts[q_seq.long()]
     Tq = int(counts.max()) if N else 0
-    qp = q.new_zeros(B, Tq, Hq, D, dtype=acc)
-    qp[q_seq.long(), rank] = q.to(acc)
+    qp = q.new_zeros(B, Tq, Hq, D, dtype=torch.float32)
+    qp[q_seq.long(), rank] = q.float()
     pos = torch.full((B, Tq), -1, dtype=torch.long, device=q.device)
     pos[q_seq.long(), rank] = q_pos.long()
     # GQA: the n_rep query heads of a KV head attend to the same K/V without copying it per head.
