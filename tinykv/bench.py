@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from .kernels import PoolLayer, paged_attention_ref, triton
+from .kernels import PoolLayer, paged_attention_ref
+from .kernels_triton import triton
 from .quant import KVSpec, QuantParams, bytes_per_token, compute_scales, quantize
 
 SHAPES = {"SmolLM2-135M": (9, 3, 64), "Llama-3-8B": (32, 8, 128)}  # query heads, KV heads, head dim
@@ -78,7 +79,7 @@ def bench_kernel(args: argparse.Namespace) -> dict:
     elif not cuda:
         notes.append("fused kernel timed in Triton's CPU interpreter: correctness only, not speed")
     if fused:
-        from .kernels import paged_attention_triton
+        from .kernels_triton import paged_attention_triton
     batches, contexts = GRIDS["quick" if quick else "full"]
     BS, reps = args.block_size, args.reps or (20 if cuda else 2)
     flush = torch.empty(256 * 2**20, dtype=torch.int8, device=dev) if cuda else None

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .blocks import DISK, HOST, HOT, STORE, Allocator, PoolExhausted, SeqState
-from .kernels import PoolLayer, merge_partials, paged_attention_ref, quantize_store_ref, quantize_store_triton
+from .kernels import PoolLayer, merge_partials, paged_attention_ref, quantize_store_ref
+from .kernels_triton import quantize_store_triton
 from .model import Config
 from .offload import Offloader
 from .quant import KVSpec, QuantParams, compute_scales, quantize
@@ -284,7 +285,7 @@ class PagedKVCache:
         sm = 1.0 / math.sqrt(self.cfg.head_dim)
         fn = paged_attention_ref
         if self.attention == "triton":
-            from .kernels import paged_attention_triton as fn
+            from .kernels_triton import paged_attention_triton as fn
         one_pass = plan.offload_chunks and STORE in plan.offload_chunks[0][1]  # resident blocks ride along
         parts = [] if one_pass else [fn(q, plan.q_seq, plan.positions, *self.layer_views(layer),
                                         plan.tables[STORE], plan.ctx_lens, sm)]

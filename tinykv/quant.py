@@ -205,7 +205,7 @@ def unpack(stored: torch.Tensor, per_byte: int) -> torch.Tensor:
     return torch.stack([(stored >> (j * bits)) & ((1 << bits) - 1) for j in range(per_byte)], -1).flatten(-2)
 
 
-def _cast_up(s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def cast_up(s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     # Round up, never down: a scale rounded down would clip the group's extreme values.
     fi = torch.finfo(dtype)
     s = s.clamp(fi.tiny, fi.max)
@@ -226,7 +226,7 @@ def compute_scales(x: torch.Tensor, p: QuantParams, scale_dtype: torch.dtype = t
     dims, fin = _REDUCE[p.gran], xg.isfinite()
     if p.sym:
         amax = xg.abs().where(fin, 0.0).amax(dims, keepdim=True).squeeze(-1)
-        return _cast_up(amax / p.qmax, scale_dtype), None
+        return cast_up(amax / p.qmax, scale_dtype), None
     mn = xg.where(fin, float("inf")).amin(dims, keepdim=True).squeeze(-1)
     mx = xg.where(fin, float("-inf")).amax(dims, keepdim=True).squeeze(-1)
     empty = mn > mx  # no finite value in the group
@@ -237,7 +237,7 @@ def compute_scales(x: torch.Tensor, p: QuantParams, scale_dtype: torch.dtype = t
     qmax = p.qmax
     room = min(round(2 / torch.finfo(scale_dtype).eps), 2048) - qmax
     s = torch.maximum(mx / qmax - mn / qmax, torch.maximum(mn / room, -mn / (qmax + room)))
-    scale = _cast_up(s, scale_dtype)
+    scale = cast_up(s, scale_dtype)
     zero = (-mn / scale.float()).round().clamp(-room, qmax + room)
     return scale, zero.to(scale_dtype)
 
