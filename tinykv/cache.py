@@ -278,7 +278,9 @@ class PagedKVCache:
             idx, blk, off = plan.slots[STORE]
             store = quantize_store_triton if self.attention == "triton" else quantize_store_ref
             for x, pl in zip((k, v), self.layer_views(layer)):
-                self._saturated += store(x[idx], pl.p, pl.data, pl.scale, pl.zero, blk, off)
+                n_sat = store(x[idx], pl.p, pl.data, pl.scale, pl.zero, blk, off)
+                if not isinstance(n_sat, int) or n_sat:  # adding a Python 0 would still cost an op per layer
+                    self._saturated += n_sat
 
     def attend(self, layer: int, q: torch.Tensor, plan: Plan) -> torch.Tensor:
         """Attention of the step's queries (N, Hq, D) over everything cached for their sequences."""

@@ -177,14 +177,17 @@ def merge_stacked(o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, tor
 
 
 def quantize_store_ref(x: torch.Tensor, p: QuantParams, data: torch.Tensor, scale: torch.Tensor | None,
-                       zero: torch.Tensor | None, blk: torch.Tensor, off: torch.Tensor) -> torch.Tensor:
+                       zero: torch.Tensor | None, blk: torch.Tensor, off: torch.Tensor) -> torch.Tensor | int:
     """Quantize new tokens x (n, H, D) into one layer's pool (NB, H, BS, D // per_byte) at data[blk[i], :, off[i]].
 
     Per-token/group scales (and zeros) are computed and stored at scale[blk[i], :, off[i]] ((NB, H, BS, G), in
     the scale tensor's dtype); static ones (1, H|1, 1, G) are read; float formats are a plain cast. Returns the
-    count of saturated values and NaNs as an int32 0-dim tensor: a GPU caller need not sync to count them.
+    count of saturated values and NaNs: an int here, an int32 0-dim tensor from the kernel (no sync on a GPU).
     """
     assert not p.block_wise, f"{p}: block-wise scales are computed when a block fills, not per token"
+    if p.is_float:
+        data[blk, :, off] = x.to(data.dtype)
+        return 0
     if p.sym and not (p.static or p.is_float or p.dtype == "fp8"):  # the decode step's common case, lean
         xg = x.float().unflatten(-1, (scale.shape[-1], -1))  # (n, H, G, D // G)
         amax = xg.abs().amax(-1)
@@ -194,7 +197,7 @@ def quantize_store_ref(x: torch.Tensor, p: QuantParams, data: torch.Tensor, scal
             scale[blk, :, off] = s
             codes = codes.flatten(-2).to(data.dtype)
             data[blk, :, off] = codes if p.per_byte == 1 else pack(codes, p.per_byte)
-            return torch.zeros((), dtype=torch.int32, device=x.device)
+            return 0
     x = x.unsqueeze(2)  # (n, H, 1, D): each token is its own block of one row
     s, z = (scale, zero) if p.static else compute_scales(x, p, torch.float16 if scale is None else scale.dtype)
     if s is not None and not p.static:
@@ -203,4 +206,4 @@ def quantize_store_ref(x: torch.Tensor, p: QuantParams, data: torch.Tensor, scal
             zero[blk, :, off] = z[:, :, 0]
     q, n_sat = quantize(x, p, s, z)
     data[blk, :, off] = q[:, :, 0]
-    return torch.tensor(n_sat, dtype=torch.int32, device=x.device)
+    return n_sat

@@ -105,7 +105,8 @@ class Config:
 
 
 def rope_tables(cfg: Config, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin of shape (max_seq_len, head_dim), in float32, rotate-half layout."""
+    """cos/sin of shape (max_seq_len, head_dim), in float32, rotate-half layout; sin's first half is
+    negated, so that rotating half the channels is a roll (apply_rope)."""
     hd = cfg.head_dim
     inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64, device=device) / hd)
     if cfg.rope_scaling:  # llama3: long wavelengths slowed by `factor`, short ones kept, smooth between
@@ -120,14 +121,13 @@ def rope_tables(cfg: Config, device=None) -> tuple[torch.Tensor, torch.Tensor]:
     t = torch.arange(cfg.max_seq_len, dtype=torch.float64, device=device)
     freqs = torch.outer(t, inv_freq)
     emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().float(), emb.sin().float()
+    return emb.cos().float(), (emb.sin() * torch.cat([-torch.ones_like(freqs), torch.ones_like(freqs)], -1)).float()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x (..., n, hd); cos/sin broadcastable (..., 1, hd)
-    half = x.shape[-1] // 2
-    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return (x * cos + rot * sin).to(x.dtype)
+    # x (..., n, hd); cos/sin broadcastable (..., 1, hd). With rope_tables' signed sin this is
+    # x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x2, x1), the Llama convention.
+    return (x * cos + x.roll(x.shape[-1] // 2, -1) * sin).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -140,13 +140,13 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos, sin, plan=None) -> torch.Tensor:
         cfg = self.cfg
-        q, k, v = self.wqkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         lead = x.shape[:-1]
-        q = q.view(*lead, cfg.n_heads, cfg.head_dim)
-        k = k.view(*lead, cfg.n_kv_heads, cfg.head_dim)
-        v = v.view(*lead, cfg.n_kv_heads, cfg.head_dim)
+        qk, v = self.wqkv(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = qk.unflatten(-1, (cfg.n_heads + cfg.n_kv_heads, cfg.head_dim))  # q and k rotate in one go
         if cos is not None:
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            qk = apply_rope(qk, cos, sin)
+        q, k = qk.split([cfg.n_heads, cfg.n_kv_heads], dim=-2)
+        v = v.unflatten(-1, (cfg.n_kv_heads, cfg.head_dim))
         if plan is not None:  # packed (N, heads, hd): the cache stores and serves K/V
             plan.cache.write(self.layer, k, v, plan)
             o = plan.cache.attend(self.layer, q, plan)  # (N, n_heads, hd)
