@@ -49,7 +49,7 @@ class PagedKVCache:
             p.check(cfg.head_dim)
             if p.static and static_scales is None:
                 raise ValueError(f"KV spec '{spec}' has static scales: pass a calibration file (--kv-scales)")
-        self.cfg, self.spec, self.bs, self.device, self.dtype = cfg, spec, block_size, device, dtype
+        self.cfg, self.spec, self.bs, self.device, self.dtype = cfg, spec, block_size, torch.device(device), dtype
         self.attention = attention
         L, H, D = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
         self.store = {"k": self._make_pool(spec.k, num_blocks, "k", static_scales),
@@ -237,7 +237,8 @@ class PagedKVCache:
         chunks = []
         if self.offload:
             self.offload.note_step(seq_ids)
-            chunks = self.offload.plan_chunks(seq_ids, mb, one_pass=self.attention != "triton")
+            one_pass = self.attention != "triton" and self.device.type == "cpu"  # see Offloader.plan_chunks
+            chunks = self.offload.plan_chunks(seq_ids, mb, one_pass)
         ctx = torch.tensor([len(self.seqs[s].tokens) for s in seq_ids], dtype=torch.int32, device=dev)
         last = torch.cumsum(torch.tensor([len(t) for t in new_tokens]), 0) - 1
         slots = {pool: tuple(torch.tensor(x, dtype=torch.long, device=dev) for x in rows)

@@ -2,8 +2,10 @@
 
 Blocks move quantized, with their scales, so offloading an int4 cache moves a quarter of the bytes
 of an fp16 one. Attention never brings a whole sequence back: its offloaded blocks are staged,
-one layer and `stage_blocks` blocks at a time, into a fixed device buffer, attended to there,
-and the partial results merged exactly by log-sum-exp with the device part (kernels.merge_partials).
+one layer and `stage_blocks` blocks at a time, into two fixed device buffers in turn (the next
+chunk's copy overlaps this chunk's attention: on CUDA from pinned memory on a side stream, see
+Stager), and the partial results merged exactly by log-sum-exp with the device part
+(kernels.merge_partials).
 
 Policy when the device pool is short: full blocks of sequences not in the current step move down
 first, least recently used first; then the oldest full blocks of the running sequences. When the
@@ -43,8 +45,9 @@ class HostTier:
         for s, d in zip(self.t, dst):
             d[:, b].copy_(s[:, i], non_blocking=True)
 
-    def read(self, layer: int, ids: torch.Tensor) -> list[torch.Tensor]:
-        return [t[layer].index_select(0, ids) for t in self.t]
+    def read_into(self, layer: int, ids: torch.Tensor, outs: list[torch.Tensor]) -> None:
+        for t, out in zip(self.t, outs):
+            torch.index_select(t[layer], 0, ids, out=out)
 
 
 class DiskTier:
@@ -96,12 +99,57 @@ class DiskTier:
             rows = torch.stack([self._rows(k, layer, [i])[0] for layer in range(d.shape[0])])
             d[:, b].copy_(rows)
 
-    def read(self, layer: int, ids: torch.Tensor) -> list[torch.Tensor]:
-        return [self._rows(k, layer, ids.tolist()) for k in range(len(self.views))]
+    def read_into(self, layer: int, ids: torch.Tensor, outs: list[torch.Tensor]) -> None:
+        for k, out in enumerate(outs):
+            out.copy_(self._rows(k, layer, ids.tolist()))
 
     def close(self) -> None:
         del self.views, self.mm
         self.path.unlink(missing_ok=True)
+
+
+class Stager:
+    """Two fixed staging buffers on the device: chunk i+1 is copied into one while chunk i is attended in
+    the other. On CUDA the rows are first gathered into pinned host memory and copied on a side stream;
+    events order each copy after the attention that last read its buffer, and each attention after its
+    copy. Elsewhere (CPU) the copies are plain, but the slots alternate the same way."""
+
+    def __init__(self, like: list[torch.Tensor], n: int, device: torch.device):
+        self.cuda = device.type == "cuda"
+        shapes = [((n, *t.shape[2:]), t.dtype) for t in like]
+        self.dev = [[torch.zeros(s, dtype=d, device=device) for s, d in shapes] for _ in range(2)]
+        self.host = [[torch.zeros(s, dtype=d, pin_memory=True) for s, d in shapes] for _ in range(2)] \
+            if self.cuda else self.dev
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.copied: list = [None, None]  # per slot: the copy stream is done with it (host side free, data ready)
+        self.read: list = [None, None]  # per slot: attention has finished reading the device buffer
+
+    def fill(self, slot: int, n: int, gather) -> list[torch.Tensor]:
+        """gather(host buffers) writes n rows; returns the slot's device buffers (data in flight on CUDA)."""
+        if not self.cuda:
+            gather([b[:n] for b in self.dev[slot]])
+            return self.dev[slot]
+        if self.copied[slot] is not None:
+            self.copied[slot].synchronize()  # the pinned buffer's last upload has left it
+        gather([b[:n] for b in self.host[slot]])
+        with torch.cuda.stream(self.stream):
+            if self.read[slot] is not None:
+                self.stream.wait_event(self.read[slot])
+            for d, h in zip(self.dev[slot], self.host[slot]):
+                d[:n].copy_(h[:n], non_blocking=True)
+            self.copied[slot] = torch.cuda.Event()
+            self.copied[slot].record(self.stream)
+        return self.dev[slot]
+
+    def attend(self, slot: int, fn, *args):
+        """fn(*args), an attention over the slot's buffers, once their copy has landed; note when it is done."""
+        if not self.cuda:
+            return fn(*args)
+        torch.cuda.current_stream().wait_event(self.copied[slot])
+        out = fn(*args)
+        self.read[slot] = torch.cuda.Event()
+        self.read[slot].record(torch.cuda.current_stream())
+        return out
 
 
 class Offloader:
@@ -119,7 +167,7 @@ class Offloader:
             cache.alloc[DISK] = Allocator(disk_blocks)
         self.order: OrderedDict[int, None] = OrderedDict()  # host blocks, oldest arrival first
         self.stage_blocks = stage_blocks
-        self.stage = [torch.zeros((stage_blocks, *t.shape[2:]), dtype=t.dtype, device=dev) for t in self.tensors]
+        self.stager = Stager(self.tensors, stage_blocks, dev)
         self.block_bytes = sum(t[0, 0].nbytes for t in self.tensors) * self.tensors[0].shape[0]
         self.counts: Counter = Counter()
         self.last_step: dict[int, int] = {}  # seq -> step it last ran, for LRU
@@ -230,29 +278,39 @@ class Offloader:
 
     def attend_parts(self, layer: int, q: torch.Tensor, plan, fn, sm: float) -> list:
         """Partial attention (o, lse) over each chunk of offloaded blocks, for one layer."""
+        chunks = plan.offload_chunks
+        attend = lambda table, bufs: fn(q, plan.q_seq, plan.positions, *self.cache.layer_views(layer, bufs),
+                                        table, plan.ctx_lens, sm)
+        if STORE in chunks[0][1]:  # one pass: a buffer the size of this step's blocks
+            (table, ids), = chunks
+            bufs = [torch.empty((sum(map(len, ids.values())), *t.shape[2:]), dtype=t.dtype) for t in self.tensors]
+            self._gather(layer, ids, bufs)
+            return [attend(table, bufs)]
         parts = []
-        for table, ids in plan.offload_chunks:
-            rows: list[list[torch.Tensor]] = [[] for _ in self.tensors]
-            for pool, lst in ids.items():
-                if not lst:
-                    continue
-                idx = torch.tensor(lst)
-                if pool == STORE:
-                    got = [t[layer].index_select(0, idx.to(t.device)) for t in self.tensors]
-                else:
-                    got = self.tiers[pool].read(layer, idx)
-                    self.counts[f"bytes_{TIER_NAMES[pool]}_to_device"] += sum(r.nbytes for r in got)
-                for r, g in zip(rows, got):
-                    r.append(g)
-            if STORE in ids:  # one pass: a buffer the size of this step's blocks
-                bufs = [torch.cat(r).to(self.cache.device) for r in rows]
-            else:  # the fixed staging buffer
-                bufs = self.stage
-                for buf, r in zip(bufs, rows):
-                    buf[:sum(len(x) for x in r)].copy_(torch.cat(r), non_blocking=True)
-            k, v = self.cache.layer_views(layer, bufs)
-            parts.append(fn(q, plan.q_seq, plan.positions, k, v, table, plan.ctx_lens, sm))
+        fill = lambda i: self.stager.fill(i % 2, sum(map(len, chunks[i][1].values())),
+                                          lambda outs: self._gather(layer, chunks[i][1], outs))
+        bufs = fill(0)
+        for i, (table, _) in enumerate(chunks):
+            nxt = fill(i + 1) if i + 1 < len(chunks) else None  # this copy overlaps the attention below
+            parts.append(self.stager.attend(i % 2, attend, table, bufs))
+            bufs = nxt
         return parts
+
+    def _gather(self, layer: int, ids: dict[int, list[int]], outs: list[torch.Tensor]) -> None:
+        """One layer's rows of the listed blocks, tier after tier (the order plan_chunks numbered them)."""
+        at = 0
+        for pool, lst in ids.items():
+            if not lst:
+                continue
+            rows = [o[at:at + len(lst)] for o in outs]
+            idx = torch.tensor(lst)
+            if pool == STORE:
+                for t, r in zip(self.tensors, rows):
+                    r.copy_(t[layer].index_select(0, idx.to(t.device)))
+            else:
+                self.tiers[pool].read_into(layer, idx, rows)
+                self.counts[f"bytes_{TIER_NAMES[pool]}_to_device"] += sum(r.nbytes for r in rows)
+            at += len(lst)
 
     def stats(self) -> dict:
         c = self.cache
