@@ -54,6 +54,7 @@ class PagedKVCache:
         L, H, D = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
         self.store = {"k": self._make_pool(spec.k, num_blocks, "k", static_scales),
                       "v": self._make_pool(spec.v, num_blocks, "v", static_scales)}
+        self._views = [self._layer_views(i, None) for i in range(L)]  # asked for by every layer of every step
         self.needs_tail = spec.k.block_wise or spec.v.block_wise
         self.sink_blocks = math.ceil(spec.sink / block_size)
         self.res_blocks = math.ceil(spec.residual / block_size)
@@ -94,6 +95,9 @@ class PagedKVCache:
 
     def layer_views(self, layer: int, per_block: list[torch.Tensor] | None = None) -> list[PoolLayer]:
         """K and V of one layer as kernels read them; per-block tensors may come from a staging buffer."""
+        return self._views[layer] if per_block is None else self._layer_views(layer, per_block)
+
+    def _layer_views(self, layer: int, per_block: list[torch.Tensor] | None) -> list[PoolLayer]:
         it = iter(per_block) if per_block is not None else (t[layer] for t in self.block_tensors())
         out = []
         for pool in self.store.values():

@@ -118,7 +118,7 @@ def cmd_generate(args) -> None:
         torch.manual_seed(args.seed)
     n_seqs = len(ids) * args.n
     need = sum(len(i) + args.max_new_tokens for i in ids) * args.n
-    cache = make_cache(model, args, need, max_seqs=min(n_seqs, args.max_batch))
+    cache = make_cache(model, args, need, max_seqs=min(n_seqs, args.max_batch), max_step_tokens=args.prefill_chunk)
     eng = Engine(model, cache, eos_ids=tok.eos_ids, max_batch=args.max_batch, prefill_chunk=args.prefill_chunk)
     rids = [eng.add(i, samp, n=args.n) for i in ids]
     stream = len(rids) == 1 and args.n == 1 and not args.json

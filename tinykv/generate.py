@@ -80,8 +80,10 @@ class Engine:
                  max_batch: int = 16, prefill_chunk: int = 512):
         self.model, self.cache = model, cache
         self.eos_ids = eos_ids or set()
-        # a prefill chunk must fit in the device pool beside the other sequences' tails
-        self.max_batch, self.chunk = max_batch, min(prefill_chunk, max(1, cache.num_blocks // 2) * cache.bs)
+        # A prefill chunk must fit in the device pool beside the other sequences' tails: half the pool,
+        # or (without a tier to evict to) whatever is free when the step starts (step()).
+        self.max_batch, self.prefill_chunk = max_batch, prefill_chunk
+        self.chunk = min(prefill_chunk, max(1, cache.num_blocks // 2) * cache.bs)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[int, Request] = {}
@@ -133,6 +135,9 @@ class Engine:
             if not self.running:
                 return []
             budget, feed = self.chunk, []
+            if not self.cache.offload:  # one block kept back per running sequence, and one for a partial block
+                free = self.cache.blocks_free - len(self.running) - 1
+                budget = min(self.prefill_chunk, max(budget, free * self.cache.bs))
             for r in self.running:
                 n = min(len(r.tokens) - r.cached, max(budget, 1))
                 feed.append(r.tokens[r.cached:r.cached + n])

@@ -193,7 +193,8 @@ def quantize_store_ref(x: torch.Tensor, p: QuantParams, data: torch.Tensor, scal
         amax = xg.abs().amax(-1)
         if float(amax.max()) <= p.qmax * torch.finfo(scale.dtype).max:  # no NaN/Inf, nothing can saturate
             s = cast_up(amax / p.qmax, scale.dtype)  # the same codes as compute_scales + quantize
-            codes = (xg / s.float().unsqueeze(-1) + p.offset).round().clamp(p.qmin + p.offset, p.qmax + p.offset)
+            v = xg / s.float().unsqueeze(-1)
+            codes = (v + p.offset if p.offset else v).round().clamp(p.qmin + p.offset, p.qmax + p.offset)
             scale[blk, :, off] = s
             codes = codes.flatten(-2).to(data.dtype)
             data[blk, :, off] = codes if p.per_byte == 1 else pack(codes, p.per_byte)
