@@ -35,7 +35,7 @@ class Plan:
     q_seq: torch.Tensor  # (N,) row of the sequence each token belongs to
     ctx_lens: torch.Tensor  # (B,) sequence lengths after this step
     tables: dict[int, torch.Tensor]  # pool -> (B, MB) block ids, -1 where the block is in the other pool
-    slots: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # pool -> (token idx, block, offset)
+    slots: dict[int, tuple]  # pool -> (token idx (a slice for all), block, offset) tensors
     logits_idx: torch.Tensor | None  # packed rows whose logits are wanted (None: all)
     offload_chunks: list = field(default_factory=list)  # staged chunks of offloaded blocks (offload.py)
 
@@ -245,8 +245,9 @@ class PagedKVCache:
             chunks = self.offload.plan_chunks(seq_ids, mb, one_pass)
         ctx = torch.tensor([len(self.seqs[s].tokens) for s in seq_ids], dtype=torch.int32, device=dev)
         last = torch.cumsum(torch.tensor([len(t) for t in new_tokens]), 0) - 1
-        slots = {pool: tuple(torch.tensor(x, dtype=torch.long, device=dev) for x in rows)
-                 for pool, rows in slot_rows.items() if rows[0]}
+        as_index = lambda x: torch.tensor(x, dtype=torch.long, device=dev)
+        slots = {pool: (slice(None) if len(idx) == n else as_index(idx), as_index(blk), as_index(off))
+                 for pool, (idx, blk, off) in slot_rows.items() if idx}  # all tokens in one pool: no gather
         return Plan(self, list(seq_ids), torch.tensor(pos, dtype=torch.long, device=dev),
                     torch.tensor(q_seq, dtype=torch.int32, device=dev), ctx, tables, slots,
                     None if logits == "all" else last[logits if logits != "last" else slice(None)].to(dev), chunks)
