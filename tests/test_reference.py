@@ -54,3 +54,18 @@ def test_reference_matches_float64(kspec, vspec, n_rep, D, BS):
         assert o.dtype == torch.float32 and torch.isneginf(lse[-1]).all()
         torch.testing.assert_close(o.double(), o_ref, atol=2e-5, rtol=2e-5)
         torch.testing.assert_close(lse.double(), lse_ref, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("spec", ["fp16", "int8", "int4:asym", "fp8", "int2"])
+def test_reference_reads_consecutive_blocks_in_place(spec):
+    """A long run of consecutive blocks (one sequence in a fresh pool) is read as a slice of the pool."""
+    gen = torch.Generator().manual_seed(5)
+    BS, D = 16, 64
+    k, v = make_pool(spec, 2, BS, D, gen), make_pool(spec, 2, BS, D, gen)
+    for ids in (range(3, 23), range(20, 0, -1)):  # in order (read in place), and not
+        table, ctx = torch.tensor([list(ids)], dtype=torch.int32), torch.tensor([20 * BS - 3], dtype=torch.int32)
+        q, q_seq, q_pos = torch.randn(1, 6, D, generator=gen), torch.zeros(1, dtype=torch.long), ctx - 1
+        o, lse = paged_attention_ref(q, q_seq, q_pos, k, v, table, ctx, D**-0.5)
+        o_ref, lse_ref = attention_f64(q, q_seq, q_pos, k, v, table, ctx, D**-0.5)
+        torch.testing.assert_close(o.double(), o_ref, atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(lse.double(), lse_ref, atol=2e-5, rtol=2e-5)

@@ -109,7 +109,8 @@ def attend_decode(q: torch.Tensor, q_pos: torch.Tensor, k: PoolLayer, v: PoolLay
     (B, Hq, D), (MB, (H, BS)) = q.shape, (block_table.shape[1], k.data.shape[1:3])
     S, ids = MB * BS, block_table.clamp(min=0).long().view(-1)
     qg = q.float().view(B, H, Hq // H, D)
-    kc, ks, kz = _codes(k, ids, B, MB)  # (B, H, S, D), factors broadcasting to (B, H, 1, S)
+    run = _run_start(ids)
+    kc, ks, kz = _codes(k, ids, B, MB, run)  # (B, H, S, D), factors broadcasting to (B, H, 1, S)
     s = qg @ kc.transpose(-1, -2)  # (B, H, n_rep, S)
     if kz is not None:
         s -= kz * qg.sum(-1, keepdim=True)
@@ -120,7 +121,7 @@ def attend_decode(q: torch.Tensor, q_pos: torch.Tensor, k: PoolLayer, v: PoolLay
     m = s.amax(-1, keepdim=True).clamp(min=torch.finfo(s.dtype).min)  # finite even for a row with no key
     p = torch.exp(s - m)
     l = p.sum(-1, keepdim=True)  # >= 1 when the row has a key
-    vc, vs, vz = _codes(v, ids, B, MB)
+    vc, vs, vz = _codes(v, ids, B, MB, run)
     if vs is not None:
         p *= vs
     o = p @ vc
@@ -130,7 +131,7 @@ def attend_decode(q: torch.Tensor, q_pos: torch.Tensor, k: PoolLayer, v: PoolLay
     return o.view(B, Hq, D), (m + l.log()).view(B, Hq)
 
 
-def _codes(pool: PoolLayer, ids: torch.Tensor, B: int, MB: int):
+def _codes(pool: PoolLayer, ids: torch.Tensor, B: int, MB: int, run: int | None):
     """Blocks `ids` (B * MB,) as (B, H, S, D) float32, with the per-key scale and zero point kept apart
     ((B|1, H|1, 1, S|1) each, or None) when one scale covers a key's head vector; dequantized otherwise."""
     p, (H, BS, Dp) = pool.p, pool.data.shape[1:]
@@ -138,28 +139,42 @@ def _codes(pool: PoolLayer, ids: torch.Tensor, B: int, MB: int):
     if pool.scale is not None and pool.scale.shape[-1] > 1:  # channel or group scales: dequantize
         x = gather_dequant(pool, ids).view(B, MB, H, BS, D)
         return x.transpose(1, 2).reshape(B, H, MB * BS, D), None, None
-    raw = pool.data.index_select(0, ids).view(B, MB, H, BS, Dp).transpose(1, 2)  # (B, H, MB, BS, Dp)
+    raw = _blocks(pool.data, ids, run).view(B, MB, H, BS, Dp).transpose(1, 2)  # (B, H, MB, BS, Dp)
     x = torch.empty(B, H, MB, BS, Dp, p.per_byte, device=ids.device)
     if p.per_byte == 1:
         x[..., 0] = raw  # the cast to float rides on the transposing copy
     else:
         bits = 8 // p.per_byte
         for j in range(p.per_byte):  # channel 2i + j sits in bits j*bits.. of byte i
-            x[..., j] = (raw >> (j * bits)) & ((1 << bits) - 1)
+            c = raw >> (j * bits) if j else raw
+            x[..., j] = c & ((1 << bits) - 1) if j < p.per_byte - 1 else c
     x = x.view(B, H, MB * BS, D)
     if p.is_float:
         return x, None, None
-    zero = p.offset or None if pool.zero is None else _per_key(pool.zero, ids, B, MB, BS)
-    return x, _per_key(pool.scale, ids, B, MB, BS), zero
+    zero = p.offset or None if pool.zero is None else _per_key(pool.zero, ids, B, MB, BS, run)
+    return x, _per_key(pool.scale, ids, B, MB, BS, run), zero
 
 
-def _per_key(t: torch.Tensor, ids: torch.Tensor, B: int, MB: int, BS: int) -> torch.Tensor:
+def _per_key(t: torch.Tensor, ids: torch.Tensor, B: int, MB: int, BS: int, run: int | None) -> torch.Tensor:
     """Scales (NB|1, H|1, BS|1, 1) of blocks ids -> float32 broadcasting to (B, H, 1, MB * BS)."""
     NB, Hs, BSs, _ = t.shape
     if NB == 1:  # one per layer (static): (1, H|1, 1, 1)
         return t.float().view(1, Hs, 1, 1)
-    g = t.index_select(0, ids).view(B, MB, Hs, BSs).transpose(1, 2)  # (B, Hs, MB, BS|1)
+    g = _blocks(t, ids, run).view(B, MB, Hs, BSs).transpose(1, 2)  # (B, Hs, MB, BS|1)
     return torch.empty(B, Hs, MB, BS, device=t.device).copy_(g.expand(B, Hs, MB, BS)).view(B, Hs, 1, MB * BS)
+
+
+def _run_start(ids: torch.Tensor) -> int | None:
+    """ids[0] when the ids are consecutive, as one sequence's blocks from a fresh pool are; else None.
+    Checked only for long contexts, where reading the pool in place saves copying K and V once more."""
+    if ids.numel() < 16:
+        return None
+    first = int(ids[0])
+    return first if int(ids[-1]) - first == ids.numel() - 1 and bool((ids.diff() == 1).all()) else None
+
+
+def _blocks(t: torch.Tensor, ids: torch.Tensor, run: int | None) -> torch.Tensor:
+    return t.index_select(0, ids) if run is None else t[run:run + ids.numel()]
 
 
 def merge_partials(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
