@@ -20,7 +20,7 @@ import torch
 
 from .blocks import DISK, HOST, HOT, STORE, Allocator, PoolExhausted, SeqState
 from .kernels import PoolLayer, merge_partials, paged_attention_ref, quantize_store_ref
-from .kernels_triton import quantize_store_triton
+from .kernels_triton import paged_attention_triton, quantize_store_triton
 from .model import Config
 from .offload import Offloader
 from .quant import KVSpec, QuantParams, compute_scales, quantize
@@ -54,7 +54,7 @@ class PagedKVCache:
         L, H, D = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
         self.store = {"k": self._make_pool(spec.k, num_blocks, "k", static_scales),
                       "v": self._make_pool(spec.v, num_blocks, "v", static_scales)}
-        self._views = [self._layer_views(i, None) for i in range(L)]  # asked for by every layer of every step
+        self._views = [self.layer_views(i, [t[i] for t in self.block_tensors()]) for i in range(L)]  # made once
         self.needs_tail = spec.k.block_wise or spec.v.block_wise
         self.sink_blocks = math.ceil(spec.sink / block_size)
         self.res_blocks = math.ceil(spec.residual / block_size)
@@ -64,6 +64,8 @@ class PagedKVCache:
         per_seq = self.sink_blocks + self.res_blocks + 2
         self.n_hot = per_seq * max_seqs + max_step_tokens // block_size if uses_hot else 0
         self.hot = torch.zeros(2, L, self.n_hot, H, block_size, D, dtype=dtype, device=device)  # K, V
+        hp = QuantParams({torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype])
+        self._hot_views = [[PoolLayer(self.hot[i, layer], None, None, hp) for i in (0, 1)] for layer in range(L)]
         self.alloc = {STORE: Allocator(num_blocks), HOT: Allocator(self.n_hot)}
         self.seqs: dict[int, SeqState] = {}
         self._saturated = torch.zeros((), dtype=torch.int64, device=device)  # on device: counting needs no sync
@@ -95,11 +97,9 @@ class PagedKVCache:
 
     def layer_views(self, layer: int, per_block: list[torch.Tensor] | None = None) -> list[PoolLayer]:
         """K and V of one layer as kernels read them; per-block tensors may come from a staging buffer."""
-        return self._views[layer] if per_block is None else self._layer_views(layer, per_block)
-
-    def _layer_views(self, layer: int, per_block: list[torch.Tensor] | None) -> list[PoolLayer]:
-        it = iter(per_block) if per_block is not None else (t[layer] for t in self.block_tensors())
-        out = []
+        if per_block is None:
+            return self._views[layer]
+        it, out = iter(per_block), []
         for pool in self.store.values():
             got = {n: None if pool[n] is None else pool[n][layer] if n != "data" and pool["p"].static else next(it)
                    for n in ("data", "scale", "zero")}
@@ -278,8 +278,8 @@ class PagedKVCache:
         """Store the step's new keys/values (N, H, D): quantized into store blocks, as-is into hot ones."""
         if HOT in plan.slots:
             idx, blk, off = plan.slots[HOT]
-            self.hot[0, layer, blk, :, off] = k[idx].to(self.dtype)
-            self.hot[1, layer, blk, :, off] = v[idx].to(self.dtype)
+            for i, x in enumerate((k, v)):
+                self.hot[i, layer, blk, :, off] = x[idx].to(self.dtype)
         if STORE in plan.slots:
             idx, blk, off = plan.slots[STORE]
             store = quantize_store_triton if self.attention == "triton" else quantize_store_ref
@@ -291,18 +291,14 @@ class PagedKVCache:
     def attend(self, layer: int, q: torch.Tensor, plan: Plan) -> torch.Tensor:
         """Attention of the step's queries (N, Hq, D) over everything cached for their sequences."""
         sm = 1.0 / math.sqrt(self.cfg.head_dim)
-        fn = paged_attention_ref
-        if self.attention == "triton":
-            from .kernels_triton import paged_attention_triton as fn
+        fn = paged_attention_triton if self.attention == "triton" else paged_attention_ref
+        run = lambda k, v, table: fn(q, plan.q_seq, plan.positions, k, v, table, plan.ctx_lens, sm)
         one_pass = plan.offload_chunks and STORE in plan.offload_chunks[0][1]  # resident blocks ride along
-        parts = [] if one_pass else [fn(q, plan.q_seq, plan.positions, *self.layer_views(layer),
-                                        plan.tables[STORE], plan.ctx_lens, sm)]
+        parts = [] if one_pass else [run(*self.layer_views(layer), plan.tables[STORE])]
         if plan.offload_chunks:
             parts += self.offload.attend_parts(layer, q, plan, fn, sm)
         if HOT in plan.tables:
-            hp = QuantParams({torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[self.dtype])
-            parts.append(fn(q, plan.q_seq, plan.positions, PoolLayer(self.hot[0, layer], None, None, hp),
-                            PoolLayer(self.hot[1, layer], None, None, hp), plan.tables[HOT], plan.ctx_lens, sm))
+            parts.append(run(*self._hot_views[layer], plan.tables[HOT]))
         return merge_partials(parts)[0].to(q.dtype)
 
     def commit(self, plan: Plan) -> None:
