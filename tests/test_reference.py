@@ -69,3 +69,18 @@ def test_reference_reads_consecutive_blocks_in_place(spec):
         o_ref, lse_ref = attention_f64(q, q_seq, q_pos, k, v, table, ctx, D**-0.5)
         torch.testing.assert_close(o.double(), o_ref, atol=2e-5, rtol=2e-5)
         torch.testing.assert_close(lse.double(), lse_ref, atol=2e-5, rtol=2e-5)
+
+
+def test_reference_chunk_that_sees_no_key_here():
+    """A prefill chunk whose visible keys all live in the other pool (a sink block, say): o 0, lse -inf."""
+    gen = torch.Generator().manual_seed(9)
+    BS, D = 16, 64
+    k, v = make_pool("int8", 2, BS, D, gen), make_pool("fp16", 2, BS, D, gen)
+    table, ctx = torch.tensor([[-1, 4]], dtype=torch.int32), torch.tensor([20], dtype=torch.int32)
+    q, q_seq = torch.randn(4, 4, D, generator=gen), torch.zeros(4, dtype=torch.long)
+    q_pos = torch.tensor([0, 1, 16, 19])
+    o, lse = paged_attention_ref(q, q_seq, q_pos, k, v, table, ctx, D**-0.5)
+    o_ref, lse_ref = attention_f64(q, q_seq, q_pos, k, v, table, ctx, D**-0.5)
+    assert torch.isneginf(lse[:2]).all() and (o[:2] == 0).all() and lse[2:].isfinite().all()
+    torch.testing.assert_close(o.double(), o_ref, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(lse.double(), lse_ref, atol=2e-5, rtol=2e-5)

@@ -92,7 +92,8 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: 
     if q.device.type == "cpu":  # torch's CPU flash attention: tiled, and it returns the log-sum-exp too
         mask = torch.zeros(allowed.shape, dtype=q.dtype).masked_fill_(~allowed, float("-inf"))
         o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=mask, scale=sm_scale)
-        return o, lse.masked_fill(~allowed.any(-1), float("-inf"))  # it reports 0 for a query with no key
+        blind = ~allowed.any(-1)  # a query with no key: torch reports lse 0 (and o 0, or NaN in some versions)
+        return o.masked_fill(blind[:, None], 0.0), lse.masked_fill(blind, float("-inf"))
     s = (q @ k.transpose(-1, -2) * sm_scale).masked_fill(~allowed, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
     return torch.exp(s - lse[..., None]).nan_to_num(0.0) @ v, lse  # no key: exp(-inf - -inf) = nan -> 0
