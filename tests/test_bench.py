@@ -115,3 +115,21 @@ def test_cli_writes_json_charts_and_readme(tiny, tmp_path, monkeypatch, capsys):
     md = capsys.readouterr().out
     assert md.startswith("## Results") and "| tinykv int8" in md and "decode tok/s" in md
     assert be.main(["--text", str(tmp_path / "missing.txt"), "--out", str(out)]) == 1
+
+
+def test_profile_splits_a_decode_step(tiny):
+    """bench profile: the parts are measured (nonzero, within the step's time) and the timers come off again."""
+    import torch.nn.functional as F
+
+    from tinykv import bench_profile as bp
+    from tinykv.cache import PagedKVCache
+
+    _, hf, model = tiny
+    before = (F.linear, PagedKVCache.write, PagedKVCache.attend)
+    r = bp.profile_tinykv(model, ids(20), "int8", 4)
+    parts = [r[k] for k in bp.PARTS]
+    assert all(p > 0 for p in parts) and sum(parts) < r["ms_per_token"]
+    assert math.isclose(sum(parts) + r["rest"], r["ms_per_token"], rel_tol=1e-9)
+    r = bp.profile_hf(hf, ids(20), 4)  # a difference of two runs: only its bookkeeping is exact on a tiny model
+    assert "cache.write" not in r and math.isclose(r["linear"] + r["rest"], r["ms_per_token"], rel_tol=1e-9)
+    assert (F.linear, PagedKVCache.write, PagedKVCache.attend) == before

@@ -222,18 +222,22 @@ def build_parser() -> argparse.ArgumentParser:
         add_model_args(p)
     c.set_defaults(fn=cmd_calibrate)
     e.set_defaults(fn=cmd_eval)
-    b = sub.add_parser("bench", help="benchmarks: `bench [--quick]` end to end, `bench kernel` the Triton kernel",
-                       add_help=False)
+    b = sub.add_parser("bench", add_help=False, help="benchmarks: `bench [--quick]` end to end, `bench kernel` "
+                       "the Triton kernel, `bench profile` where a decode step's time goes")
     b.add_argument("rest", nargs=argparse.REMAINDER)
     b.set_defaults(fn=cmd_bench)
     return ap
 
 
 def cmd_bench(args) -> None:
-    """`bench` runs the end-to-end benchmark (bench_e2e.py); `bench kernel` the kernel one (bench.py)."""
+    """`bench` runs the end-to-end benchmark (bench_e2e.py); `bench kernel` the kernel one (bench.py);
+    `bench profile` splits a decode step (bench_profile.py)."""
     if args.rest[:1] == ["kernel"]:
         from .bench import main as bench_main
         bench_main(args.rest[1:])
+    elif args.rest[:1] == ["profile"]:
+        from .bench_profile import main as profile_main
+        profile_main(args.rest[1:])
     else:
         from .bench_e2e import main as bench_main
         if bench_main(args.rest):

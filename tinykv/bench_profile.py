@@ -1,0 +1,123 @@
+"""`python -m tinykv bench profile`: where a decode step's time goes, tinykv beside transformers.
+
+Wall time per decoded token (batch 1, greedy, after a prompt of --prompt tokens) split into the linear
+layers (every F.linear call, where the weights are read once per token), the cache's `write` (quantize on
+store) and `attend`, and the rest (norms, RoPE, residuals, sampling, Python). transformers' step is split
+into its linear layers and the rest: two generate() calls, one new token and --new + 1, differ by --new
+decode steps. Timers wrap those functions for the run only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import Counter
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .cache import PagedKVCache
+from .cli import add_cache_args, add_model_args, load_model, make_cache
+from .generate import Engine, Sampling
+
+PARTS = ["linear", "cache.write", "cache.attend"]
+
+
+@contextmanager
+def timing(owner, name: str, acc: Counter, key: str):
+    """While inside, every call of owner.name adds its wall time to acc[key] (seconds)."""
+    fn = getattr(owner, name)
+
+    def timed(*a, **kw):
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **kw)
+        finally:
+            acc[key] += time.perf_counter() - t0
+    setattr(owner, name, timed)
+    try:
+        yield
+    finally:
+        setattr(owner, name, fn)
+
+
+def profile_tinykv(model, prompt: list[int], kv: str, n_new: int) -> dict:
+    """ms per decoded token, in all and per part, over n_new decode steps after the prompt."""
+    ap = argparse.ArgumentParser()
+    add_cache_args(ap)
+    cache = make_cache(model, ap.parse_args(["--kv", kv]), len(prompt) + n_new + 2, max_seqs=1)
+    eng = Engine(model, cache, max_batch=1)
+    eng.add(prompt, Sampling(temperature=0, max_new_tokens=n_new + 2))
+    while eng.stats.decode_tokens == 0:  # the prompt, and one decode step to warm up
+        eng.step()
+    acc: Counter = Counter()
+    with ExitStack() as stack:
+        stack.enter_context(timing(F, "linear", acc, "linear"))  # nn.Linear looks F.linear up at each call
+        for m in ("write", "attend"):
+            stack.enter_context(timing(PagedKVCache, m, acc, f"cache.{m}"))
+        t0, steps = time.perf_counter(), 0
+        while eng.running:
+            eng.step()
+            steps += 1
+        total = time.perf_counter() - t0
+    return _row("tinykv", kv, len(prompt), total, acc, steps)
+
+
+def profile_hf(hf, prompt: list[int], n_new: int) -> dict:
+    x = torch.tensor([prompt], device=hf.device)
+    gen = lambda n: hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
+                                do_sample=False, pad_token_id=hf.generation_config.pad_token_id or 0)
+    gen(2)  # warm-up
+    acc: Counter = Counter()
+    with timing(F, "linear", acc, "linear"):
+        t0 = time.perf_counter()
+        gen(1)
+        t1, first = time.perf_counter(), acc["linear"]
+        gen(n_new + 1)
+        t2 = time.perf_counter()
+    acc["linear"] -= 2 * first
+    return _row("transformers", "default", len(prompt), (t2 - t1) - (t1 - t0), acc, n_new)
+
+
+def _row(engine: str, kv: str, prompt: int, total: float, acc: Counter, steps: int) -> dict:
+    ms = {k: acc[k] / steps * 1e3 for k in PARTS if k in acc}
+    return {"engine": engine, "kv": kv, "prompt": prompt, "ms_per_token": total / steps * 1e3, **ms,
+            "rest": (total - sum(acc.values())) / steps * 1e3}
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    from .bench_e2e import DEFAULT_TEXT
+    from .tokenizer import Tokenizer
+
+    ap = argparse.ArgumentParser(prog="tinykv bench profile", description=__doc__.splitlines()[0])
+    ap.add_argument("--prompt", type=int, nargs="+", default=[128, 1024], help="prompt lengths (tokens)")
+    ap.add_argument("--new", type=int, default=32, help="decode steps timed")
+    ap.add_argument("--kv", nargs="+", default=["fp16", "int8", "int4"], help="tinykv KV specs")
+    ap.add_argument("--text", default=str(DEFAULT_TEXT), help="text to cut the prompt from")
+    ap.add_argument("--no-transformers", action="store_true", help="tinykv only")
+    add_model_args(ap)
+    ap.set_defaults(threads=1)  # as `bench`
+    args = ap.parse_args(argv)
+    if not Path(args.text).is_file():
+        raise ValueError(f"text file not found: {args.text} (pass --text FILE)")
+    model, path = load_model(args)
+    ids = Tokenizer.from_dir(path).encode(Path(args.text).read_text(encoding="utf-8")[:200_000])
+    hf = None
+    if not args.no_transformers:
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+        hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=model.embed.weight.dtype).eval()
+    rows = []
+    print(f"{'engine / KV':24} {'prompt':>6} {'ms/token':>9} " + " ".join(f"{k:>12}" for k in PARTS + ["rest"]))
+    for n in args.prompt:
+        if n >= len(ids):
+            raise ValueError(f"the text has {len(ids)} tokens; --prompt {n} needs more")
+        for kv in [*args.kv, *([None] if hf is not None else [])]:  # None: transformers
+            r = profile_tinykv(model, ids[:n], kv, args.new) if kv else profile_hf(hf, ids[:n], args.new)
+            rows.append(r)
+            print(f"{r['engine'] + ' ' + r['kv']:24} {n:>6} {r['ms_per_token']:>9.1f} "
+                  + " ".join(f"{r[k]:>12.1f}" if k in r else f"{'-':>12}" for k in PARTS + ["rest"]), flush=True)
+    return rows
