@@ -130,6 +130,7 @@ def test_profile_splits_a_decode_step(tiny):
     parts = [r[k] for k in bp.PARTS]
     assert all(p > 0 for p in parts) and sum(parts) < r["ms_per_token"]
     assert math.isclose(sum(parts) + r["rest"], r["ms_per_token"], rel_tol=1e-9)
-    r = bp.profile_hf(hf, ids(20), 4)  # a difference of two runs: only its bookkeeping is exact on a tiny model
-    assert "cache.write" not in r and math.isclose(r["linear"] + r["rest"], r["ms_per_token"], rel_tol=1e-9)
+    r = bp.profile_hf(hf, ids(20), 4)
+    assert "cache.write" not in r and 0 < r["linear"] < r["ms_per_token"]
+    assert math.isclose(r["linear"] + r["rest"], r["ms_per_token"], rel_tol=1e-9)
     assert (F.linear, PagedKVCache.write, PagedKVCache.attend) == before

@@ -2,9 +2,9 @@
 
 Wall time per decoded token (batch 1, greedy, after a prompt of --prompt tokens) split into the linear
 layers (every F.linear call, where the weights are read once per token), the cache's `write` (quantize on
-store) and `attend`, and the rest (norms, RoPE, residuals, sampling, Python). transformers' step is split
-into its linear layers and the rest: two generate() calls, one new token and --new + 1, differ by --new
-decode steps. Timers wrap those functions for the run only.
+store) and `attend`, and the rest (norms, RoPE, residuals, sampling, Python); transformers' step into its
+linear layers and the rest, from its first new token to its last. Timers wrap those functions for the
+run only.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import time
 from collections import Counter
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -67,18 +68,20 @@ def profile_tinykv(model, prompt: list[int], kv: str, n_new: int) -> dict:
 
 def profile_hf(hf, prompt: list[int], n_new: int) -> dict:
     x = torch.tensor([prompt], device=hf.device)
-    gen = lambda n: hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
-                                do_sample=False, pad_token_id=hf.generation_config.pad_token_id or 0)
-    gen(2)  # warm-up
     acc: Counter = Counter()
+    stamps: list[float] = []  # generate() streams the prompt, then each new token
+
+    def put(_):
+        stamps.append(time.perf_counter())
+        if len(stamps) == 2:  # the first new token is out: only decode steps from here on
+            acc.clear()
+    gen = lambda n, streamer=None: hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n,
+                                               min_new_tokens=n, do_sample=False, streamer=streamer,
+                                               pad_token_id=hf.generation_config.pad_token_id or 0)
+    gen(2)  # warm-up
     with timing(F, "linear", acc, "linear"):
-        t0 = time.perf_counter()
-        gen(1)
-        t1, first = time.perf_counter(), acc["linear"]
-        gen(n_new + 1)
-        t2 = time.perf_counter()
-    acc["linear"] -= 2 * first
-    return _row("transformers", "default", len(prompt), (t2 - t1) - (t1 - t0), acc, n_new)
+        gen(n_new + 1, SimpleNamespace(put=put, end=lambda: None))
+    return _row("transformers", "default", len(prompt), stamps[-1] - stamps[1], acc, n_new)
 
 
 def _row(engine: str, kv: str, prompt: int, total: float, acc: Counter, steps: int) -> dict:
