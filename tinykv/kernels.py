@@ -204,7 +204,7 @@ def quantize_store_ref(x: torch.Tensor, p: QuantParams, data: torch.Tensor, scal
     if p.is_float:
         data[blk, :, off] = x.to(data.dtype)
         return 0
-    if p.sym and not (p.static or p.is_float or p.dtype == "fp8"):  # the decode step's common case, lean
+    if p.sym and not (p.static or p.dtype == "fp8"):  # the decode step's common case, lean
         xg = x.float().unflatten(-1, (scale.shape[-1], -1))  # (n, H, G, D // G)
         amax = xg.abs().amax(-1)
         if float(amax.max()) <= p.qmax * torch.finfo(scale.dtype).max:  # no NaN/Inf, nothing can saturate

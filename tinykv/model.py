@@ -258,7 +258,7 @@ class Transformer(nn.Module):
         if not cfg.gpt2_style:
             model.rope_cos, model.rope_sin = rope_tables(cfg)
         model = model.to(device=device, dtype=dtype).eval()
-        if device.type == "cpu":  # x @ W.T streams W^T stored row by row ~15% faster (MKL, one token or many)
+        if device.type == "cpu":  # MKL streams x @ W.T faster from W^T stored row by row (~7% of linear time here)
             for m in model.layers.modules():
                 if isinstance(m, nn.Linear):
                     m.weight = nn.Parameter(m.weight.t().contiguous().t(), requires_grad=False)

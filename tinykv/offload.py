@@ -305,8 +305,8 @@ class Offloader:
             rows = [o[at:at + len(lst)] for o in outs]
             idx = torch.tensor(lst)
             if pool == STORE:
-                for t, r in zip(self.tensors, rows):
-                    r.copy_(t[layer].index_select(0, idx.to(t.device)))
+                for t, r in zip(self.tensors, rows):  # one pass: only on the CPU, where the pool is
+                    torch.index_select(t[layer], 0, idx, out=r)
             else:
                 self.tiers[pool].read_into(layer, idx, rows)
                 self.counts[f"bytes_{TIER_NAMES[pool]}_to_device"] += sum(r.nbytes for r in rows)
