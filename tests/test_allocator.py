@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from tinykv.blocks import HOT, STORE, PoolExhausted
-from tinykv.cache import PagedKVCache
+from tinykv.cache import make_cache
 from tinykv.model import Config
 from tinykv.quant import KVSpec
 
@@ -18,14 +18,14 @@ class CacheMachine(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        self.cache = PagedKVCache(CFG, KVSpec.parse("fp32"), num_blocks=24, block_size=4, max_seqs=4)
+        self.cache = make_cache(CFG, KVSpec.parse("fp32"), blocks=24, block_size=4, max_seqs=4)
         self.truth: dict[int, list[int]] = {}
         self.next_id = 0
 
     def _append(self, sid, toks):
         plan = self.cache.plan([sid], [toks])
         kv = torch.tensor(toks, dtype=torch.float32)[:, None, None].expand(-1, 1, CFG.head_dim)
-        self.cache.write(0, kv, kv, plan)
+        self.cache.pools.write(0, kv, kv, plan.slots)
         self.cache.commit(plan)
         self.truth[sid] = self.truth[sid] + toks
 
@@ -68,24 +68,24 @@ class CacheMachine(RuleBasedStateMachine):
     @invariant()
     def refcounts_match_tables(self):
         for pool in (STORE, HOT):
-            counts = [0] * len(self.cache.alloc[pool].ref)
-            for s in self.cache.seqs.values():
+            counts = [0] * len(self.cache.tables.alloc[pool].ref)
+            for s in self.cache.tables.seqs.values():
                 for p, b in s.blocks:
                     if p == pool:
                         counts[b] += 1
-            assert counts == self.cache.alloc[pool].ref
-            free = set(self.cache.alloc[pool].free)
+            assert counts == self.cache.tables.alloc[pool].ref
+            free = set(self.cache.tables.alloc[pool].free)
             assert all((c == 0) == (b in free) for b, c in enumerate(counts))
 
     @invariant()
     def every_sequence_reads_its_own_tokens(self):
-        data = self.cache.store["k"]["data"][0]  # (NB, H, BS, D)
+        data = self.cache.pools.k.data[0]  # (NB, H, BS, D)
         for sid, toks in self.truth.items():
-            s = self.cache.seqs[sid]
+            s = self.cache.tables.seqs[sid]
             assert s.tokens == toks
             for i, t in enumerate(toks):
                 pool, b = s.blocks[i // 4]
-                src = data if pool == STORE else self.cache.hot[0, 0]
+                src = data if pool == STORE else self.cache.pools.hot[0, 0]
                 assert src[b, 0, i % 4, 0].item() == t
 
     def teardown(self):

@@ -1,4 +1,4 @@
-"""The end-to-end benchmark (tinykv/bench_e2e.py) on a tiny random model: its measuring functions, the
+"""The end-to-end benchmark (tinykv/bench/e2e.py) on a tiny random model: its measuring functions, the
 token check, the JSON it writes and the README section made from it. Fast; needs no real weights or text."""
 
 import json
@@ -8,10 +8,11 @@ import pytest
 import torch
 from hf_tiny import make_hf_model
 
-from tinykv import bench_e2e as be
+from tinykv.bench import e2e as be
+from tinykv.cli import main
 from tinykv.model import Transformer
 
-# The shape of bench_e2e.MODES, shrunk to a tiny model (512-token context) and a few seconds.
+# The shape of e2e.MODES, shrunk to a tiny model (512-token context) and a few seconds.
 TINY = dict(lengths=[8, 24], new=4, reps=2, batches=[3], batch_lens=[5, 12], batch_new=3, ppl_tokens=64, window=32)
 SPECS = ["fp32", "int8"]
 
@@ -102,30 +103,31 @@ def test_cli_writes_json_charts_and_readme(tiny, tmp_path, monkeypatch, capsys):
     text.write_text(" ".join(f"w{i}" for i in ids(300)))
     monkeypatch.setitem(be.MODES, "quick", TINY)
     out = tmp_path / "bench" / "results.json"
-    args = ["--quick", "--weights", str(d), "--device", "cpu", "--text", str(text), "--out", str(out), "--kv", "int8",
-            "--threads", "0"]  # 0: leave torch's thread count as it is
-    assert be.main(args) == 0
+    args = ["bench", "--quick", "--weights", str(d), "--device", "cpu", "--text", str(text), "--out", str(out),
+            "--kv", "int8", "--threads", "1"]
+    assert main(args) == 0
     res = json.loads(out.read_text())
     assert res["machine"]["torch"] == torch.__version__ and res["machine"]["device"] == "cpu"
     assert res["config"]["lengths"] == [8, 24] and res["config"]["specs"] == ["int8"]
     for path in (v for k, v in res["charts"].items() if k != "note"):
         assert (tmp_path / "bench" / path.rsplit("/", 1)[-1]).stat().st_size > 0
     assert "| tinykv int8" in capsys.readouterr().out
-    assert be.main(["--readme", "--out", str(out)]) == 0
+    assert main(["bench", "--readme", str(out)]) == 0
     md = capsys.readouterr().out
     assert md.startswith("## Results") and "| tinykv int8" in md and "decode tok/s" in md
-    assert be.main(["--text", str(tmp_path / "missing.txt"), "--out", str(out)]) == 1
+    assert main(["bench", "--text", str(tmp_path / "missing.txt"), "--out", str(out)]) == 1
 
 
 def test_profile_splits_a_decode_step(tiny):
     """bench profile: the parts are measured (nonzero, within the step's time) and the timers come off again."""
     import torch.nn.functional as F
 
-    from tinykv import bench_profile as bp
+    from tinykv.bench import profile as bp
     from tinykv.cache import PagedKVCache
+    from tinykv.pools import KVPools
 
     _, hf, model = tiny
-    before = (F.linear, PagedKVCache.write, PagedKVCache.attend)
+    before = (F.linear, KVPools.write, PagedKVCache.attend)
     r = bp.profile_tinykv(model, ids(20), "int8", 4)
     parts = [r[k] for k in bp.PARTS]
     assert all(p > 0 for p in parts) and sum(parts) < r["ms_per_token"]
@@ -133,4 +135,4 @@ def test_profile_splits_a_decode_step(tiny):
     r = bp.profile_hf(hf, ids(20), 4)
     assert "cache.write" not in r and 0 < r["linear"] < r["ms_per_token"]
     assert math.isclose(r["linear"] + r["rest"], r["ms_per_token"], rel_tol=1e-9)
-    assert (F.linear, PagedKVCache.write, PagedKVCache.attend) == before
+    assert (F.linear, KVPools.write, PagedKVCache.attend) == before

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tinykv.cache import PagedKVCache, PoolExhausted
+from tinykv.cache import PoolExhausted, make_cache
 from tinykv.generate import Engine, Sampling
 from tinykv.model import Config, Transformer
 from tinykv.quant import KVSpec
@@ -52,7 +52,7 @@ def test_fp32_paged_equals_no_cache(shape, block_size):
     g = torch.Generator().manual_seed(3)
     seqs = {0: torch.randint(0, 128, (37,), generator=g).tolist(), 1: torch.randint(0, 128, (9,), generator=g).tolist(),
             2: torch.randint(0, 128, (70,), generator=g).tolist()}
-    cache = PagedKVCache(m.cfg, KVSpec.parse("fp32"), num_blocks=200, block_size=block_size, max_seqs=3)
+    cache = make_cache(m.cfg, KVSpec.parse("fp32"), blocks=200, block_size=block_size, max_seqs=3)
     got = run_cached(m, cache, seqs, chunk=5)
     for s, toks in seqs.items():
         ref = m(torch.tensor([toks]))[0]
@@ -70,9 +70,9 @@ def test_batched_equals_alone(spec):
     m = tiny()
     g = torch.Generator().manual_seed(4)
     seqs = {i: torch.randint(0, 128, (n,), generator=g).tolist() for i, n in enumerate([41, 7, 23])}
-    batched = run_cached(m, PagedKVCache(m.cfg, KVSpec.parse(spec), 64, 16, max_seqs=3), seqs, chunk=3)
+    batched = run_cached(m, make_cache(m.cfg, KVSpec.parse(spec), blocks=64, block_size=16, max_seqs=3), seqs, chunk=3)
     for s, toks in seqs.items():
-        alone = run_cached(m, PagedKVCache(m.cfg, KVSpec.parse(spec), 64, 16, max_seqs=1), {s: toks}, chunk=3)
+        alone = run_cached(m, make_cache(m.cfg, KVSpec.parse(spec), blocks=64, block_size=16, max_seqs=1), {s: toks}, chunk=3)
         torch.testing.assert_close(batched[s], alone[s], atol=1e-5, rtol=1e-5)
 
 
@@ -82,7 +82,7 @@ def test_quantized_cache_is_close_but_not_exact():
     ref = m(torch.tensor([toks]))[0]
     errs = {}
     for spec in ["int8", "int4", "int2"]:
-        got = run_cached(m, PagedKVCache(m.cfg, KVSpec.parse(spec), 16, 16), {0: toks}, chunk=1)[0]
+        got = run_cached(m, make_cache(m.cfg, KVSpec.parse(spec), blocks=16, block_size=16), {0: toks}, chunk=1)[0]
         errs[spec] = (got - ref).abs().max().item()
     assert 0 < errs["int8"] < errs["int4"] < errs["int2"]
     assert errs["int8"] < 0.05
@@ -94,7 +94,7 @@ def test_prefix_sharing_same_outputs(spec):
     g = torch.Generator().manual_seed(6)
     system = torch.randint(0, 128, (40,), generator=g).tolist()
     a, b = system + [5, 6, 7], system + [9, 10]
-    cache = PagedKVCache(m.cfg, KVSpec.parse(spec), 32, 8, max_seqs=2)
+    cache = make_cache(m.cfg, KVSpec.parse(spec), blocks=32, block_size=8, max_seqs=2)
     eng = Engine(m, cache)
     ra = eng.add(a, Sampling(temperature=0, max_new_tokens=6))
     list(eng.run())
@@ -103,7 +103,7 @@ def test_prefix_sharing_same_outputs(spec):
     eng._admit()
     assert cache.length(rb) == 40  # five full blocks of the system prompt were found, not recomputed
     list(eng.run())
-    fresh = Engine(m, PagedKVCache(m.cfg, KVSpec.parse(spec), 32, 8, max_seqs=2))
+    fresh = Engine(m, make_cache(m.cfg, KVSpec.parse(spec), blocks=32, block_size=8, max_seqs=2))
     rb2 = fresh.add(b, Sampling(temperature=0, max_new_tokens=6))
     list(fresh.run())
     assert eng.requests[rb].new_ids == fresh.requests[rb2].new_ids
@@ -112,7 +112,7 @@ def test_prefix_sharing_same_outputs(spec):
 
 def test_fork_copy_on_write():
     m = tiny()
-    cache = PagedKVCache(m.cfg, KVSpec.parse("int8"), 16, 4)
+    cache = make_cache(m.cfg, KVSpec.parse("int8"), blocks=16, block_size=4)
     toks = list(range(10))
     ref = run_cached(m, cache, {0: toks}, chunk=10)[0]
     cache.fork(0, 1)
@@ -123,7 +123,7 @@ def test_fork_copy_on_write():
         cache.commit(plan)
     assert cache.blocks_used == used + 1  # one copy, the other writer keeps the original
     # seq 0 still sees its own tokens: its logits for one more token equal a fresh run
-    fresh = PagedKVCache(m.cfg, KVSpec.parse("int8"), 16, 4)
+    fresh = make_cache(m.cfg, KVSpec.parse("int8"), blocks=16, block_size=4)
     want = run_cached(m, fresh, {0: toks + [55, 3]}, chunk=12)[0][-1]
     plan = cache.plan([0], [[3]])
     torch.testing.assert_close(m(torch.tensor([3]), plan)[0], want, atol=1e-5, rtol=1e-5)
@@ -132,7 +132,7 @@ def test_fork_copy_on_write():
 
 def test_bytes_per_token_formula():
     cfg = Config(vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3, ffn_dim=1536)
-    bpt = lambda s: PagedKVCache(cfg, KVSpec.parse(s), 4, 16).bytes_per_token
+    bpt = lambda s: make_cache(cfg, KVSpec.parse(s), blocks=4, block_size=16).bytes_per_token
     assert bpt("fp16") == 23040  # 30 layers * (K+V) * 3 heads * 64 * 2 bytes
     assert bpt("fp32") == 46080
     assert bpt("int8") == 11520 + 30 * 2 * 3 * 2  # + one fp16 scale per token, head, layer, K/V
@@ -145,7 +145,7 @@ def test_bytes_per_token_formula():
 
 def test_pool_exhausted_is_clear():
     m = tiny()
-    cache = PagedKVCache(m.cfg, KVSpec.parse("int8"), 2, 4)
+    cache = make_cache(m.cfg, KVSpec.parse("int8"), blocks=2, block_size=4)
     cache.add_sequence(0)
     with pytest.raises(PoolExhausted, match="exhausted"):
         cache.plan([0], [list(range(20))])
@@ -158,12 +158,12 @@ def test_engine_preempts_and_recomputes():
     g = torch.Generator().manual_seed(8)
     prompts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (30, 12, 25, 5)]
     s = Sampling(temperature=0, max_new_tokens=12)
-    eng = Engine(m, PagedKVCache(m.cfg, KVSpec.parse("fp32"), 12, 8, max_seqs=4), max_batch=4)
+    eng = Engine(m, make_cache(m.cfg, KVSpec.parse("fp32"), blocks=12, block_size=8, max_seqs=4), max_batch=4)
     rids = [eng.add(p, s) for p in prompts]
     list(eng.run())
     assert eng.stats.preemptions > 0
     for rid, p in zip(rids, prompts):
-        alone = Engine(m, PagedKVCache(m.cfg, KVSpec.parse("fp32"), 12, 8))
+        alone = Engine(m, make_cache(m.cfg, KVSpec.parse("fp32"), blocks=12, block_size=8))
         r = alone.add(p, s)
         list(alone.run())
         assert eng.requests[rid].new_ids == alone.requests[r].new_ids
@@ -173,5 +173,5 @@ def test_single_block_pool():
     """A pool of one block (block size covering the whole sequence) still attends correctly."""
     m = tiny()
     toks = list(range(1, 12))
-    got = run_cached(m, PagedKVCache(m.cfg, KVSpec.parse("fp32"), 1, 16), {0: toks}, chunk=4)[0]
+    got = run_cached(m, make_cache(m.cfg, KVSpec.parse("fp32"), blocks=1, block_size=16), {0: toks}, chunk=4)[0]
     torch.testing.assert_close(got, m(torch.tensor([toks]))[0], atol=1e-5, rtol=1e-5)

@@ -21,7 +21,8 @@ from tinykv.calibrate import (
     record,
     save_scales,
 )
-from tinykv.evaluate import new_cache, perplexity
+from tinykv.cache import make_cache
+from tinykv.evaluate import perplexity
 from tinykv.quant import KVSpec, QuantParams, quantize
 
 AXES = {"tensor": (1, 2, 3), "head": (2, 3), "channel": (2,)}  # of (L, H, T, D), reduced with keepdims
@@ -107,7 +108,7 @@ def test_static_tensor_matches_dynamic_tensor():
     toks = sample_text(m, 256)
     spec = KVSpec.parse("int8:tensor:static")
     scales = calibrate(m, toks, spec, window=128)
-    static = perplexity(m, new_cache(m, spec, 128, 32, static_scales=scales), toks, 128, 32).ppl
+    static = perplexity(m, make_cache(m.cfg, spec, tokens=128, max_seqs=1, max_step_tokens=32, scales=scales), toks, 128, 32).ppl
     dynamic, exact = ppl(m, toks, "int8:tensor"), ppl(m, toks, "fp32")
     assert static == pytest.approx(dynamic, rel=1e-3) and static == pytest.approx(exact, rel=1e-3)
 

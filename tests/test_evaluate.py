@@ -10,7 +10,8 @@ import torch
 from test_cache import tiny
 
 from tinykv.cli import main
-from tinykv.evaluate import as_stored, attention_error, new_cache, perplexity, reference_perplexity
+from tinykv.cache import make_cache
+from tinykv.evaluate import as_stored, attention_error, perplexity, reference_perplexity
 from tinykv.quant import KVSpec, QuantParams
 
 
@@ -29,7 +30,7 @@ def sample_text(m, n: int, seed: int = 1) -> list[int]:
     KL divergence), so any perturbation of K/V raises perplexity beyond sampling noise.
     """
     g = torch.Generator().manual_seed(seed)
-    cache = new_cache(m, KVSpec.parse("fp32"), n, 1)
+    cache = make_cache(m.cfg, KVSpec.parse("fp32"), tokens=n, max_seqs=1, max_step_tokens=1)
     cache.add_sequence(0)
     toks = [int(torch.randint(0, m.cfg.vocab_size, (1,), generator=g))]
     threads = torch.get_num_threads()
@@ -52,7 +53,7 @@ def model_text():
 
 
 def ppl(m, toks, spec: str, window=128, chunk=32, **kw) -> float:
-    return perplexity(m, new_cache(m, KVSpec.parse(spec), window, chunk, **kw), toks, window, chunk).ppl
+    return perplexity(m, make_cache(m.cfg, KVSpec.parse(spec), tokens=window, max_seqs=1, max_step_tokens=chunk, **kw), toks, window, chunk).ppl
 
 
 @pytest.mark.parametrize("window,chunk,block_size", [(128, 32, 16), (100, 7, 16), (256, 256, 8)])
@@ -72,7 +73,7 @@ def test_coarser_specs_score_worse(model_text):
 
 def test_result_fields(model_text):
     m, toks = model_text
-    cache = new_cache(m, KVSpec.parse("k=int4:channel:asym,v=int4:g32:asym,residual=16"), 100, 32)
+    cache = make_cache(m.cfg, KVSpec.parse("k=int4:channel:asym,v=int4:g32:asym,residual=16"), tokens=100, max_seqs=1, max_step_tokens=32)
     res = perplexity(m, cache, toks[:250], window=100, chunk=32)
     assert res.windows == 3 and res.tokens == 99 + 99 + 49  # the first token of each window is not predicted
     assert res.kv == "k=int4:channel:asym,v=int4:g32:asym,residual=16"

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tinykv.cache import PagedKVCache
+from tinykv.cache import make_cache
 from tinykv.generate import Engine, Sampling
 from tinykv.model import Transformer
 from tinykv.quant import KVSpec
@@ -47,7 +47,7 @@ def test_prompt_ids_and_last_logits(model, tok, smollm2_goldens):
 def test_greedy_tokens_match_transformers(model, smollm2_goldens, spec):
     """All golden prompts decoded together (continuous batching) through the paged cache."""
     cases = smollm2_goldens["cases"]
-    eng = Engine(model, PagedKVCache(model.cfg, KVSpec.parse(spec), 64, 16, max_seqs=len(cases)),
+    eng = Engine(model, make_cache(model.cfg, KVSpec.parse(spec), blocks=64, block_size=16, max_seqs=len(cases)),
                  eos_ids={smollm2_goldens["eos_token_id"]}, max_batch=len(cases))
     rids = [eng.add(c["prompt_ids"], Sampling(temperature=0, max_new_tokens=smollm2_goldens["max_new_tokens"]))
             for c in cases]

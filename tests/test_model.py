@@ -4,7 +4,7 @@ import pytest
 import torch
 from hf_tiny import ARCHS, make_hf_model
 
-from tinykv.cache import PagedKVCache
+from tinykv.cache import make_cache
 from tinykv.model import Transformer
 from tinykv.quant import KVSpec
 
@@ -36,7 +36,7 @@ def test_cached_decode_matches_hf_cache(pair):
             out = hf(ids[:, t:t + 1], past_key_values=past, use_cache=True)
             ref.append(out.logits[0, -1])
             past = out.past_key_values
-    cache = PagedKVCache(m.cfg, KVSpec.parse("fp32"), num_blocks=8, block_size=4)
+    cache = make_cache(m.cfg, KVSpec.parse("fp32"), blocks=8, block_size=4)
     cache.add_sequence(0)
     toks = ids[0].tolist()
     got = []

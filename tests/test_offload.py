@@ -5,15 +5,17 @@ import torch
 from test_cache import tiny
 
 import tinykv.generate as gen_mod
-from tinykv.cache import PagedKVCache
+from tinykv.cache import make_cache
 from tinykv.generate import Engine, Sampling
 from tinykv.kernels import merge_partials
-from tinykv.offload import DISK, HOST, OffloadError
+from tinykv.offload import DISK, HOST, STORE, OffloadConfig, OffloadError
 from tinykv.quant import KVSpec
 
 
-def generate(m, spec, prompts, **cache_kw):
-    cache = PagedKVCache(m.cfg, KVSpec.parse(spec), block_size=8, max_seqs=len(prompts), **cache_kw)
+def generate(m, spec, prompts, num_blocks, attention="auto", **offload_kw):
+    offload = OffloadConfig(**offload_kw) if offload_kw else None
+    cache = make_cache(m.cfg, KVSpec.parse(spec), blocks=num_blocks, block_size=8, max_seqs=len(prompts),
+                       attention=attention, offload=offload)
     eng = Engine(m, cache, max_batch=len(prompts), prefill_chunk=24)  # same chunks for every pool size
     s = Sampling(temperature=0, max_new_tokens=10)
     rids = [eng.add(p, s) for p in prompts]
@@ -45,7 +47,7 @@ def test_small_device_pool_same_outputs(spec, disk, tmp_path):
     # chunks rounds like one pass and no quantized code flips (see paged_attention_ref's `acc`)
     tol = 1e-5
     torch.testing.assert_close(logits, want_logits, atol=tol, rtol=tol)
-    st = cache.offload.stats()
+    st = cache.offload_stats()
     assert st["blocks_read_staged"] > 0 and st["peak_device_blocks"] <= 8
     if disk:
         assert st["blocks_host_to_disk"] > 0
@@ -58,19 +60,20 @@ def test_small_device_pool_same_outputs(spec, disk, tmp_path):
 def test_roundtrip_bit_exact_and_tamper_detected(tmp_path):
     m = tiny()
     for spec in ["fp32", "bf16", "fp8", "int8:asym", "int4", "int2:g16:asym"]:
-        cache = PagedKVCache(m.cfg, KVSpec.parse(spec), 4, 8, host_blocks=2, disk_dir=str(tmp_path), disk_blocks=2)
-        for t in cache.block_tensors():
+        cache = make_cache(m.cfg, KVSpec.parse(spec), blocks=4, block_size=8,
+                           offload=OffloadConfig(host_blocks=2, disk_dir=str(tmp_path), disk_blocks=2))
+        for t in cache.pools.moving():
             t.copy_(torch.randint(0, 100, t.shape).to(t.dtype) if t.dtype != torch.float32 else torch.randn(t.shape))
-        before = [t[:, 1].clone() for t in cache.block_tensors()]
-        off = cache.offload
-        h = off._move(0, 1, HOST)
-        d = off._move(HOST, h, DISK)
-        back = off._move(DISK, d, 0)
-        for t, b in zip(cache.block_tensors(), before):
+        before = [t[:, 1].clone() for t in cache.pools.moving()]
+        h = cache.tables.move(STORE, 1, HOST)
+        d = cache.tables.move(HOST, h, DISK)
+        back = cache.tables.move(DISK, d, STORE)
+        for t, b in zip(cache.pools.moving(), before):
             assert torch.equal(t[:, back].view(torch.uint8), b.view(torch.uint8)), spec
-        off.close()
-    cache = PagedKVCache(m.cfg, KVSpec.parse("int8"), 4, 8, host_blocks=1, disk_dir=str(tmp_path), disk_blocks=2)
-    d = cache.offload._move(0, 0, DISK)
+        cache.close()
+    cache = make_cache(m.cfg, KVSpec.parse("int8"), blocks=4, block_size=8,
+                       offload=OffloadConfig(host_blocks=1, disk_dir=str(tmp_path), disk_blocks=2))
+    d = cache.tables.move(STORE, 0, DISK)
     disk = cache.offload.tiers[DISK]
     with open(disk.path, "r+b") as f:  # flip one byte of the stored block
         f.seek(disk.offsets[0] + d * disk.row[0])
@@ -78,11 +81,11 @@ def test_roundtrip_bit_exact_and_tamper_detected(tmp_path):
         f.seek(-1, 1)
         f.write(bytes([byte[0] ^ 0xFF]))
     with pytest.raises(OffloadError, match="altered"):
-        cache.offload._move(DISK, d, 0)
+        cache.tables.move(DISK, d, STORE)
     with open(disk.path, "r+b") as f:
         f.truncate(10)
     with pytest.raises(OffloadError, match="truncated"):
-        disk.read_into(0, torch.tensor([d]), [torch.empty_like(t[0, :1]) for t in cache.block_tensors()])
+        disk.read_into(0, torch.tensor([d]), [torch.empty_like(t[0, :1]) for t in cache.pools.moving()])
 
 
 def test_lse_merge_equals_single_pass():
@@ -108,6 +111,6 @@ def test_staged_chunks_with_lse_merge_triton():
     want_ids, want_logits, _ = generate(m, "int8", prompts, num_blocks=64, attention="triton")
     ids, logits, cache = generate(m, "int8", prompts, num_blocks=6, stage_blocks=2, host_blocks=64,
                                   attention="triton")
-    assert cache.offload.stats()["blocks_read_staged"] > 3  # more than one chunk
+    assert cache.offload_stats()["blocks_read_staged"] > 3  # more than one chunk
     assert ids == want_ids
     torch.testing.assert_close(logits, want_logits, atol=1e-3, rtol=1e-3)  # merge order differs: float noise

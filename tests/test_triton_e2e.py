@@ -6,7 +6,7 @@ Without a GPU the kernels run through Triton's interpreter (conftest sets TRITON
 import pytest
 import torch
 
-from tinykv.cache import PagedKVCache
+from tinykv.cache import make_cache
 from tinykv.generate import Engine, Sampling
 from tinykv.model import Transformer
 from tinykv.quant import KVSpec
@@ -26,7 +26,7 @@ def test_triton_tokens_equal_torch(model, spec):
     prompt = [504, 1463, 282, 260, 4469, 7057, 5634, 351]  # "The history of the Roman Empire begins with"
     out = []
     for attention in ("torch", "triton"):
-        eng = Engine(model, PagedKVCache(model.cfg, KVSpec.parse(spec), 16, 16, attention=attention,
+        eng = Engine(model, make_cache(model.cfg, KVSpec.parse(spec), blocks=16, block_size=16, attention=attention,
                                          device=next(model.parameters()).device, dtype=next(model.parameters()).dtype))
         rid = eng.add(prompt, Sampling(temperature=0, max_new_tokens=5))
         list(eng.run())

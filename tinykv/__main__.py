@@ -1,4 +1,4 @@
-"""`python -m tinykv ...`: see cli.py."""
+"""`python -m tinykv ...`: see tinykv/cli."""
 
 import sys
 

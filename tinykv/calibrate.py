@@ -38,31 +38,27 @@ class CalibrationError(ValueError):
 
 
 class Recorder:
-    """Plan and cache of `model(tokens, plan)` at once (the model reads plan.positions, plan.logits_idx
-    and calls plan.cache.write / attend): keeps each layer's exact post-RoPE q, k, v and answers with
-    plain causal attention, so the model computes what it does uncached. A call is one sequence."""
+    """A model step that records (model.KVStep): keeps each layer's exact post-RoPE q, k, v and
+    answers with plain causal attention, so the model computes what it does uncached. A call is
+    one sequence."""
 
     def __init__(self, model: Transformer, keep_q: bool = False):
-        self.model, self.keep_q, self.cache = model, keep_q, self
-        self.seen = {w: [[] for _ in range(model.cfg.n_layers)] for w in "qkv"}  # per layer: (heads, N, D)
+        self.model, self.keep_q = model, keep_q
+        self.seen = {w: [[] for _ in range(model.cfg.n_layers)] for w in "qkv"}  # (heads, N, D)
 
     def __call__(self, tokens: list[int]) -> None:
         dev = next(self.model.parameters()).device
-        self.positions = torch.arange(len(tokens), device=dev)
-        self.logits_idx = self.positions[-1:]  # one row: the vocab matmul is costly and nobody reads it
+        self.positions = torch.arange(len(tokens), device=dev)  # (N,)
+        self.logits_idx = self.positions[-1:]  # one row: the vocab matmul is costly, unread
         self.model(torch.tensor(tokens, device=dev), self)
 
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, plan: Recorder) -> None:
-        self._kv = (k, v)  # (N, H, D), for the attend call of the same layer
-        for w, x in (("k", k), ("v", v)):
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> torch.Tensor:
+        """q (N, Hq, D), k, v (N, H, D) -> o (N, Hq, D), recording all three."""
+        for w, x in (("k", k), ("v", v)) + ((("q", q),) if self.keep_q else ()):
             self.seen[w][layer].append(x.float().transpose(0, 1).cpu())
-
-    def attend(self, layer: int, q: torch.Tensor, plan: Recorder) -> torch.Tensor:
-        if self.keep_q:
-            self.seen["q"][layer].append(q.float().transpose(0, 1).cpu())
-        k, v = self._kv
         n_rep = q.shape[1] // k.shape[1]
-        q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))  # (1, heads, N, D) as in the uncached path
+        q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))  # (1, heads, N, D) as uncached
         o = torch.nn.functional.scaled_dot_product_attention(
             q, k.repeat_interleave(n_rep, 1), v.repeat_interleave(n_rep, 1), is_causal=True)
         return o[0].transpose(0, 1)  # (N, Hq, D)
@@ -212,11 +208,20 @@ def export_vllm(scales: dict[str, torch.Tensor], spec: KVSpec, path: str | Path)
     return scheme
 
 
+def pyplot():
+    """matplotlib.pyplot on a file-only backend; a clear error when the optional extra is missing."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise CalibrationError("--plot needs matplotlib: pip install 'tinykv[plot]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
 def plot_channels(k: torch.Tensor, v: torch.Tensor, path: str | Path, n_layers: int = 4) -> None:
     """PNG of per-channel absmax of keys and values (L, H, T, D) for a few layers: key outlier channels
     (a few channels far above the rest) are why per-channel key scales beat per-token ones."""
-    from .evaluate import pyplot
-
     plt, L = pyplot(), k.shape[0]
     layers = sorted({round(i * (L - 1) / max(n_layers - 1, 1)) for i in range(n_layers)})
     fig, axes = plt.subplots(2, len(layers), figsize=(4 * len(layers), 6), squeeze=False)
@@ -230,21 +235,18 @@ def plot_channels(k: torch.Tensor, v: torch.Tensor, path: str | Path, n_layers: 
     plt.close(fig)
 
 
-def run_cli(args) -> None:
-    """`tinykv calibrate`: see cli.py for the flags."""
-    from .cli import load_model
-    from .evaluate import read_tokens
-
-    spec = KVSpec.parse(args.kv)
-    check_request(spec, args.observer, vllm=bool(args.vllm_out))
-    model, path = load_model(args)
-    tokens = read_tokens(args.text, path, args.offset, args.max_tokens)
-    rec = record(model, tokens, args.window, progress=True)
+def calibrate_to_file(model: Transformer, tokens: list[int], spec: KVSpec, out: str | Path,
+                      observer: str = "minmax", window: int = 1024, vllm_out: str | None = None,
+                      plot: str | None = None, progress: bool = True) -> int:
+    """Calibrate spec's static parts on tokens and save the scale file (and the vLLM export, the
+    channel plot when asked); returns the number of tokens observed."""
+    check_request(spec, observer, vllm=bool(vllm_out))
+    rec = record(model, tokens, window, progress=progress)
     k, v = rec.stacked("k"), rec.stacked("v")  # (L, H, T, D) each
-    scales = static_scales(k, v, spec, args.observer)
-    save_scales(args.out, scales, model.cfg, spec, args.observer, len(tokens))
-    print(f"[tinykv] {args.out}: {spec} scales from {len(tokens)} tokens ({args.observer})")
-    if args.vllm_out:
-        export_vllm(scales, spec, args.vllm_out)
-    if args.plot:
-        plot_channels(k, v, args.plot)
+    scales = static_scales(k, v, spec, observer)
+    save_scales(out, scales, model.cfg, spec, observer, len(tokens))
+    if vllm_out:
+        export_vllm(scales, spec, vllm_out)
+    if plot:
+        plot_channels(k, v, plot)
+    return len(tokens)

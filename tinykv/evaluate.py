@@ -24,10 +24,7 @@ the file, sink and residual blocks exact. Per layer, averaged over heads and que
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -37,9 +34,12 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from .cache import PagedKVCache
-from .calibrate import load_scales, record
+from .calibrate import pyplot, record
 from .model import Transformer
 from .quant import KVSpec, QuantParams, compute_scales, dequantize, quantize
+
+
+SAMPLE_TEXT = Path(__file__).resolve().parent / "data" / "sample.txt"  # shipped, our own prose
 
 
 class EvalError(ValueError):
@@ -60,17 +60,26 @@ class EvalResult:
     seconds: float
 
 
-def read_tokens(text: str | Path, model_dir: str | Path, offset: int = 0, max_tokens: int | None = None) -> list[int]:
-    """Tokenize a text file with the model's tokenizer; keep tokens[offset:offset + max_tokens]."""
+def tokens_of(text: str, model_dir: str | Path, offset: int = 0,
+              max_tokens: int | None = None) -> list[int]:
+    """Tokenize a text with the model's tokenizer; keep tokens[offset:offset + max_tokens]."""
     from .tokenizer import Tokenizer
 
-    if not Path(text).is_file():
-        raise EvalError(f"text file not found: {text}")
-    ids = Tokenizer.from_dir(model_dir).encode(Path(text).read_text(encoding="utf-8"))
-    ids = ids[offset:offset + max_tokens if max_tokens else None]
+    ids = Tokenizer.from_dir(model_dir).encode(text)
+    end = offset + max_tokens if max_tokens else None
+    ids = ids[offset:end]
     if len(ids) < 2:
-        raise EvalError(f"{text} has {len(ids)} tokens after --offset/--max-tokens; at least 2 are needed")
+        raise EvalError(f"the text has {len(ids)} tokens after --offset/--max-tokens; "
+                        "at least 2 are needed")
     return ids
+
+
+def read_tokens(path: str | Path, model_dir: str | Path, offset: int = 0,
+                max_tokens: int | None = None) -> list[int]:
+    """tokens_of a UTF-8 text file."""
+    if not Path(path).is_file():
+        raise EvalError(f"text file not found: {path}")
+    return tokens_of(Path(path).read_text(encoding="utf-8"), model_dir, offset, max_tokens)
 
 
 def _windows(model: Transformer, tokens: list[int], window: int) -> list[list[int]]:
@@ -82,15 +91,6 @@ def _windows(model: Transformer, tokens: list[int], window: int) -> list[list[in
 def _nll_sum(logits: torch.Tensor, targets: list[int]) -> float:
     t = torch.tensor(targets, device=logits.device)
     return F.cross_entropy(logits[:len(targets)].float(), t, reduction="none").double().sum().item()
-
-
-def new_cache(model: Transformer, spec: KVSpec, window: int, chunk: int, block_size: int = 16,
-              static_scales: dict[str, torch.Tensor] | None = None, attention: str = "torch") -> PagedKVCache:
-    """A cache just big enough for one window of one sequence fed chunk tokens per step."""
-    p = next(model.parameters())
-    return PagedKVCache(model.cfg, spec, math.ceil(window / block_size) + 2, block_size, max_seqs=1,
-                        max_step_tokens=chunk, device=p.device, dtype=p.dtype, static_scales=static_scales,
-                        attention=attention)
 
 
 def perplexity(model: Transformer, cache: PagedKVCache, tokens: list[int], window: int = 1024, chunk: int = 256,
@@ -113,6 +113,9 @@ def perplexity(model: Transformer, cache: PagedKVCache, tokens: list[int], windo
             bar.update(len(feed))
         cache.free(0)
     bar.close()
+    if not math.isfinite(nll):
+        raise EvalError(f"perplexity under '{cache.spec}' is not finite: the cache overflowed or "
+                        "its scales are unusable")
     return EvalResult(str(cache.spec), math.exp(nll / n), nll / n, n, len(wins), window, chunk,
                       cache.bytes_per_token, cache.saturated, time.perf_counter() - t0)
 
@@ -187,17 +190,6 @@ def attention_error(model: Transformer, tokens: list[int], spec: KVSpec, block_s
 
 
 # ---- reporting ----------------------------------------------------------------------------------
-def pyplot():
-    """matplotlib.pyplot on a file-only backend; a clear error when the optional extra is missing."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise EvalError("--plot needs matplotlib: pip install 'tinykv[plot]'") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    return plt
-
-
 def plot_sweep(results: list[EvalResult], path: str | Path) -> None:
     """PNG: perplexity against KV bytes per token, one labelled point per spec."""
     plt = pyplot()
@@ -210,40 +202,3 @@ def plot_sweep(results: list[EvalResult], path: str | Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
-
-
-def run_cli(args: argparse.Namespace) -> None:
-    """`tinykv eval`: see cli.py for the flags."""
-    from .cli import load_model, make_cache
-
-    specs = [KVSpec.parse(s) for s in [args.kv] + (args.plot_specs or [])]  # all parsed before any slow run
-    if args.plot_specs and not args.plot:
-        raise EvalError("--plot-specs needs --plot PNG")
-    model, path = load_model(args)
-    tokens = read_tokens(args.text, path, args.offset, args.max_tokens)
-    results = []
-    needs = [s.needs_scales for s in specs]
-    for i, spec in enumerate(specs):
-        # --kv-scales goes to the specs with static parts (a sweep may mix in dynamic ones); if none has
-        # any, to the first, so that load_scales names the mistake.
-        scales = args.kv_scales if needs[i] or (i == 0 and not any(needs)) else None
-        a = argparse.Namespace(**{**vars(args), "kv": str(spec), "kv_scales": scales})
-        cache = make_cache(model, a, args.window, max_seqs=1, max_step_tokens=args.chunk)
-        results.append(r := perplexity(model, cache, tokens, args.window, args.chunk, progress=True))
-        print(f"[tinykv] {r.kv}: ppl {r.ppl:.4f}, {r.kv_bytes_per_token:.0f} KV bytes/token, {r.tokens} tokens, "
-              f"{r.seconds:.0f} s", file=sys.stderr)
-    report = asdict(results[0]) | ({"sweep": [asdict(r) for r in results]} if args.plot else {})
-    if args.attn_error:
-        static = load_scales(args.kv_scales, model.cfg, specs[0]) if specs[0].needs_scales else None
-        report["attn_error"] = attention_error(model, tokens[:args.window], specs[0], args.block_size, static)
-    if args.plot:
-        plot_sweep(results, args.plot)
-    if args.json:
-        print(json.dumps(report))
-        return
-    for r in report.get("sweep", [report]):
-        print(f"ppl {r['ppl']:.4f} over {r['tokens']} tokens, kv {r['kv']}, {r['kv_bytes_per_token']:.0f} bytes/token")
-    if "attn_error" in report:
-        print("layer      kl_k      cos_k      cos_v     cos_kv   (cos_* = 1 - cosine of attention outputs)")
-        for e in report["attn_error"]:
-            print(f"{e['layer']:5d} {e['kl_k']:9.2e} {e['cos_k']:10.2e} {e['cos_v']:10.2e} {e['cos_kv']:10.2e}")

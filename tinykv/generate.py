@@ -13,13 +13,17 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from .blocks import STORE, PoolExhausted
 from .cache import PagedKVCache
 from .model import Transformer
+
+
+class NumericsError(RuntimeError):
+    """The output is meaningless (NaN or inf logits)."""
 
 
 @dataclass
@@ -57,7 +61,7 @@ class Request:
     cached: int = 0
     gen: torch.Generator | None = None
     finish: str | None = None
-    t_first: float | None = None  # when its first new token was sampled
+    parent: int | None = None  # the request this sample was forked from (n > 1)
 
     @property
     def new_ids(self) -> list[int]:
@@ -72,16 +76,18 @@ class Stats:
     decode_s: float = 0.0
     steps: int = 0
     preemptions: int = 0
-    extra: dict = field(default_factory=dict)
 
 
 class Engine:
     def __init__(self, model: Transformer, cache: PagedKVCache, eos_ids: set[int] | None = None,
                  max_batch: int = 16, prefill_chunk: int = 512):
+        if max_batch < 1 or prefill_chunk < 1:
+            raise ValueError(f"max_batch ({max_batch}) and prefill_chunk ({prefill_chunk}) "
+                             "must be >= 1")
         self.model, self.cache = model, cache
         self.eos_ids = eos_ids or set()
-        # A prefill chunk must fit in the device pool beside the other sequences' tails: half the pool,
-        # or (without a tier to evict to) whatever is free when the step starts (step()).
+        # A prefill chunk must fit in the device pool beside the other sequences' tails: half the
+        # pool, or (without a tier to evict to) whatever is free when the step starts (step()).
         self.max_batch, self.prefill_chunk = max_batch, prefill_chunk
         self.chunk = min(prefill_chunk, max(1, cache.num_blocks // 2) * cache.bs)
         self.waiting: deque[Request] = deque()
@@ -115,13 +121,13 @@ class Engine:
             if self.running and need > self.cache.blocks_free_total:
                 break  # wait for running requests to finish and free blocks
             self.waiting.popleft()
-            if r.rid not in self.cache.seqs:  # new, or preempted by recompute; a swapped one kept its blocks
+            if not self.cache.has(r.rid):  # new, or recomputed after preemption (not swapped)
                 r.cached = self.cache.add_sequence(r.rid, r.tokens)
             self.running.append(r)
 
     def _preempt(self, swap: bool) -> None:
         r = self.running.pop()  # the newest
-        if not (swap and self.cache.offload and self.cache.offload.swap_out(r.rid)):
+        if not (swap and self.cache.swap_out(r.rid)):
             self.cache.free(r.rid)  # no tier to swap to: recompute it later
             r.cached = 0
         self.waiting.appendleft(r)
@@ -135,14 +141,15 @@ class Engine:
             if not self.running:
                 return []
             budget, feed = self.chunk, []
-            if not self.cache.offload:  # one block kept back per running sequence, and one for a partial block
+            if not self.cache.offload:  # a block kept back per running sequence, one for a partial
                 free = self.cache.blocks_free - len(self.running) - 1
                 budget = min(self.prefill_chunk, max(budget, free * self.cache.bs))
             for r in self.running:
                 n = min(len(r.tokens) - r.cached, max(budget, 1))
                 feed.append(r.tokens[r.cached:r.cached + n])
                 budget -= n
-            done = [i for i, (r, t) in enumerate(zip(self.running, feed)) if r.cached + len(t) == len(r.tokens)]
+            done = [i for i, (r, t) in enumerate(zip(self.running, feed))
+                    if r.cached + len(t) == len(r.tokens)]
             try:
                 plan = self.cache.plan([r.rid for r in self.running], feed, logits=done)
                 break
@@ -150,8 +157,12 @@ class Engine:
                 if len(self.running) == 1:
                     raise
                 self._preempt(swap=e.pool == STORE)  # plan() allocates nothing when it fails
-        logits = self.model(torch.tensor(sum(feed, []), dtype=torch.long, device=plan.positions.device), plan)
+        tokens = torch.tensor(sum(feed, []), dtype=torch.long, device=plan.positions.device)
+        logits = self.model(tokens, plan)  # (len(done), V)
         self.cache.commit(plan)
+        if not bool(logits.isfinite().all()):  # sampling syncs anyway: this check is free
+            raise NumericsError("the model produced NaN/inf logits: the KV cache overflowed or "
+                                "its scales are unusable (try fp32 or a wider spec, recalibrate)")
         out = []
         for r, toks in zip(list(self.running), feed):
             r.cached += len(toks)
@@ -183,6 +194,7 @@ class Engine:
         kids = [r]
         for _ in range(r.n - 1):
             cid = self._new_request(list(r.tokens), r.prompt_len, r.sampling)
+            self.requests[cid].parent = r.rid
             self.cache.fork(r.rid, cid)
             child = self.requests[cid]
             child.cached = r.cached
@@ -192,14 +204,40 @@ class Engine:
         return kids
 
     def _check_done(self, r: Request, tok: int) -> None:
-        if r.t_first is None:
-            r.t_first = time.perf_counter()
         if tok in self.eos_ids:
             r.finish = "stop"
-        elif len(r.new_ids) >= r.sampling.max_new_tokens or len(r.tokens) >= self.model.cfg.max_seq_len:
+        elif (len(r.new_ids) >= r.sampling.max_new_tokens
+              or len(r.tokens) >= self.model.cfg.max_seq_len):
             r.finish = "length"
 
     def run(self) -> Iterator[tuple[int, int]]:
         """Step until every request has finished, yielding (request id, token) as they come."""
         while self.waiting or self.running:
             yield from self.step()
+
+
+def generation_stats(eng: Engine) -> dict:
+    """Speeds, cache memory and numerics of a finished run; `warnings` lists what the user must see
+    (values that static scales clipped past 0.1%)."""
+    st, cache = eng.stats, eng.cache
+    cfg = eng.model.cfg
+    out = {
+        "prefill_tokens_per_s": st.prefill_tokens / st.prefill_s if st.prefill_s else 0.0,
+        "decode_tokens_per_s": st.decode_tokens / st.decode_s if st.decode_s else 0.0,
+        "kv_spec": str(cache.spec), "kv_bytes_per_token": cache.bytes_per_token,
+        "kv_pool_bytes": cache.nbytes, "blocks_used": cache.peak_blocks,
+        "blocks_total": cache.num_blocks, "preemptions": st.preemptions,
+        "saturated_values": cache.saturated, "attention": cache.kernels.name, "warnings": [],
+    }
+    stored = (st.prefill_tokens + st.decode_tokens) * 2 * cfg.n_layers * cfg.n_kv_heads
+    stored *= cfg.head_dim
+    if stored and cache.saturated > 0.001 * stored:
+        out["warnings"].append(f"{cache.saturated} of {stored} cached values "
+                               f"({100 * cache.saturated / stored:.2f}%) were clipped or NaN: "
+                               "the static scales do not fit this input (recalibrate)")
+    if cache.offload:
+        off = cache.offload_stats()
+        moved = sum(v for k, v in off.items() if k.startswith("bytes_"))
+        off["bytes_moved_per_token"] = moved / max(1, st.decode_tokens + st.prefill_tokens)
+        out["offload"] = off
+    return out

@@ -5,9 +5,9 @@ SwiGLU) and the GPT-2 family (gpt2, gpt_bigcode: LayerNorm, learned positions, G
 multi-query and grouped-query attention all come from one number, `n_kv_heads`.
 
 `Transformer.forward(tokens, plan=None)` runs plain causal attention over a (B, T) batch: the
-reference every cached path is tested against. With a `plan` (see cache.py) the tokens are a
-packed 1-D stream of several sequences, and each layer writes its keys/values into the paged
-cache and attends through it.
+reference every cached path is tested against. With a `plan` the tokens are a packed 1-D stream
+of several sequences, and each layer hands its keys and values to the plan, which stores them and
+attends (`KVStep` below: the whole contract between the model and any cache).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn as nn
@@ -28,6 +28,24 @@ GPT2_FAMILY = ("gpt2", "gpt_bigcode")
 
 class ModelError(RuntimeError):
     """A user-facing problem with a checkpoint (missing, corrupt, unsupported)."""
+
+
+class KVStep(Protocol):
+    """The model-cache protocol: what `Transformer.forward(tokens, plan)` needs from one step.
+
+    The tokens are a packed stream of N tokens from one or more sequences. `cache.Plan` implements
+    it over the paged cache, `calibrate.Recorder` by recording and attending plainly.
+    """
+
+    positions: torch.Tensor  # (N,) absolute position of each token (RoPE, learned positions)
+    logits_idx: torch.Tensor | None  # rows whose logits are returned; None: all N
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> torch.Tensor:
+        """Store this step's k, v (N, n_kv_heads, hd) of `layer`, then attend the queries
+        q (N, n_heads, hd) over every key and value the tokens' sequences hold, causally:
+        returns o (N, n_heads, hd)."""
+        ...
 
 
 @dataclass
@@ -138,7 +156,7 @@ class Attention(nn.Module):
         self.wqkv = nn.Linear(cfg.dim, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.wo = nn.Linear(self.q_size, cfg.dim, bias=cfg.o_bias)
 
-    def forward(self, x: torch.Tensor, cos, sin, plan=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos, sin, plan: KVStep | None = None) -> torch.Tensor:
         cfg = self.cfg
         lead = x.shape[:-1]
         qk, v = self.wqkv(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
@@ -148,8 +166,7 @@ class Attention(nn.Module):
         q, k = qk.split([cfg.n_heads, cfg.n_kv_heads], dim=-2)
         v = v.unflatten(-1, (cfg.n_kv_heads, cfg.head_dim))
         if plan is not None:  # packed (N, heads, hd): the cache stores and serves K/V
-            plan.cache.write(self.layer, k, v, plan)
-            o = plan.cache.attend(self.layer, q, plan)  # (N, n_heads, hd)
+            o = plan.attend(self.layer, q, k, v)  # (N, n_heads, hd)
         else:  # reference: plain causal attention over (B, T)
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, hd)
             k = k.repeat_interleave(cfg.n_rep, dim=1)
@@ -209,7 +226,7 @@ class Transformer(nn.Module):
             self.register_buffer("rope_sin", sin, persistent=False)
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, plan=None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, plan: KVStep | None = None) -> torch.Tensor:
         """tokens (B, T) -> logits (B, T, V) without a plan; packed (N,) -> (len(plan.logits_idx), V)."""
         if plan is None:
             positions = torch.arange(tokens.shape[-1], device=tokens.device)

@@ -7,24 +7,36 @@ chunk's copy overlaps this chunk's attention: on CUDA from pinned memory on a si
 Stager), and the partial results merged exactly by log-sum-exp with the device part
 (kernels.merge_partials).
 
-Policy when the device pool is short: full blocks of sequences not in the current step move down
-first, least recently used first; then the oldest full blocks of the running sequences. When the
-host tier is full its oldest block moves on to disk. The disk file is checked on every read (size
-and a CRC32 per block and layer), so a truncated or altered file is an error, never garbage.
+The Offloader holds data only: which block moves where, and when, is the block tables' policy
+(tables.py), which call `copy`; the cache calls `plan_chunks` and `attend_parts` in a step. The
+disk file is checked on every read (size and a CRC32 per block and layer), so a truncated or
+altered file is an error, never garbage.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import zlib
-from collections import Counter, OrderedDict
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from .blocks import DISK, HOST, HOT, STORE, TIER_NAMES, Allocator, PoolExhausted
+from .blocks import DISK, HOST, STORE, TIER_NAMES
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """Offload tiers behind the device pool, in blocks; no host blocks means no offload."""
+    host_blocks: int = 0
+    disk_dir: str | None = None
+    disk_blocks: int = 0
+    stage_blocks: int = 64
 
 
 class OffloadError(RuntimeError):
@@ -54,7 +66,15 @@ class DiskTier:
     """Blocks in one file, memory-mapped as raw bytes; a CRC32 per (tensor, layer, block) guards reads."""
 
     def __init__(self, like: list[torch.Tensor], n: int, directory: str | Path):
-        Path(directory).mkdir(parents=True, exist_ok=True)
+        directory = Path(directory)
+        if directory.exists() and not directory.is_dir():
+            raise OffloadError(f"--disk-dir {directory} is a file, not a directory")
+        directory.mkdir(parents=True, exist_ok=True)
+        size = sum(x[0, 0].numel() * x.element_size() * x.shape[0] * n for x in like)
+        free = shutil.disk_usage(directory).free
+        if size > free:
+            raise OffloadError(f"the disk tier needs {size / 2**30:.1f} GiB but {directory} has "
+                               f"{free / 2**30:.1f} GiB free; lower --disk-blocks")
         fd, name = tempfile.mkstemp(prefix="tinykv-kv-", suffix=".bin", dir=directory)
         os.close(fd)
         self.path = Path(name)
@@ -153,179 +173,101 @@ class Stager:
 
 
 class Offloader:
-    """The host and disk tiers of one PagedKVCache, and the staged attention over them."""
+    """The host and disk tiers' data, and the staged attention over them."""
 
-    def __init__(self, cache, host_blocks: int, disk_dir: str | None = None, disk_blocks: int = 0,
-                 stage_blocks: int = 64):
-        self.cache = cache
-        dev = torch.device(cache.device)
-        self.tensors = cache.block_tensors()  # device pool tensors whose dim 1 is the block
-        self.tiers = {HOST: HostTier(self.tensors, host_blocks, pin=dev.type == "cuda")}
-        cache.alloc[HOST] = Allocator(host_blocks)
-        if disk_dir and disk_blocks:
-            self.tiers[DISK] = DiskTier(self.tensors, disk_blocks, disk_dir)
-            cache.alloc[DISK] = Allocator(disk_blocks)
-        self.order: OrderedDict[int, None] = OrderedDict()  # host blocks, oldest arrival first
-        self.stage_blocks = stage_blocks
-        self.stager = Stager(self.tensors, stage_blocks, dev)
-        self.block_bytes = sum(t[0, 0].nbytes for t in self.tensors) * self.tensors[0].shape[0]
-        self.counts: Counter = Counter()
-        self.last_step: dict[int, int] = {}  # seq -> step it last ran, for LRU
-        self.step = 0
+    def __init__(self, tensors: list[torch.Tensor], cfg: OffloadConfig, device: torch.device):
+        self.tensors = tensors  # device pool tensors (L, NB, ...) whose dim 1 is the block
+        self.tiers: dict = {HOST: HostTier(tensors, cfg.host_blocks, pin=device.type == "cuda")}
+        if cfg.disk_dir and cfg.disk_blocks:
+            self.tiers[DISK] = DiskTier(tensors, cfg.disk_blocks, cfg.disk_dir)
+        self.stage_blocks = cfg.stage_blocks
+        self.device = device
+        self.stager = Stager(tensors, cfg.stage_blocks, device)
+        self.block_bytes = sum(t[0, 0].nbytes for t in tensors) * tensors[0].shape[0]
+        self.counts: Counter = Counter()  # bytes moved, blocks read
 
-    # ---- moving whole blocks (all layers) -----------------------------------------------------------
-    def _move(self, src_pool: int, src: int, dst_pool: int) -> int:
-        """Copy one block down (or up) a tier, retarget every table that held it, free the source."""
-        c = self.cache
-        dst = c.alloc[dst_pool].alloc(TIER_NAMES[dst_pool])
-        if src_pool == STORE:
-            self.tiers[dst_pool].put(dst, self.tensors, src)
-        elif dst_pool == STORE:
-            self.tiers[src_pool].get(src, self.tensors, dst)
+    def copy(self, src_tier: int, src: int, dst_tier: int, dst: int) -> None:
+        """Copy one block's data (all layers) from one tier to another."""
+        if src_tier == STORE:
+            self.tiers[dst_tier].put(dst, self.tensors, src)
+        elif dst_tier == STORE:
+            self.tiers[src_tier].get(src, self.tensors, dst)
         else:  # host -> disk, through the host tensors
-            self.tiers[dst_pool].put(dst, self.tiers[src_pool].t, src)
-        refs = c.alloc[src_pool].ref[src]
-        c.alloc[dst_pool].ref[dst] = refs  # every sharer follows the block
-        for st in c.seqs.values():
-            st.blocks = [(dst_pool, dst) if e == (src_pool, src) else e for e in st.blocks]
-        c.alloc[src_pool].forget(src)
-        for _ in range(refs):
-            c.alloc[src_pool].decref(src)
-        if src_pool == HOST:
-            self.order.pop(src, None)
-        if dst_pool == HOST:
-            self.order[dst] = None
-        self.counts[f"blocks_{TIER_NAMES[src_pool]}_to_{TIER_NAMES[dst_pool]}"] += 1
-        self.counts[f"bytes_{TIER_NAMES[src_pool]}_to_{TIER_NAMES[dst_pool]}"] += self.block_bytes
-        return dst
+            self.tiers[dst_tier].put(dst, self.tiers[src_tier].t, src)
+        self.counts[f"bytes_{TIER_NAMES[src_tier]}_to_{TIER_NAMES[dst_tier]}"] += self.block_bytes
 
-    def _evict_one(self, b: int) -> None:
-        if not self.cache.alloc[HOST].free:
-            if DISK not in self.tiers or not self.cache.alloc[DISK].free or not self.order:
-                raise_full(self.cache)
-            self._move(HOST, next(iter(self.order)), DISK)
-        self._move(STORE, b, HOST)
-
-    def make_room(self, n: int, running: list[int]) -> None:
-        """Move n full device blocks down: idle sequences' (least recently run first), then running ones'."""
-        c = self.cache
-        idle = sorted((s for s in c.seqs if s not in running), key=lambda s: self.last_step.get(s, -1))
-        victims: list[int] = []
-        for sid in idle + list(running):
-            st = c.seqs[sid]
-            victims += [b for pool, b in st.blocks[:st.done] if pool == STORE and b not in victims]
-            if len(victims) >= n:
-                break
-        if len(victims) < n:
-            raise_full(c)
-        for b in victims[:n]:
-            self._evict_one(b)
-
-    def swap_out(self, sid: int) -> bool:
-        """Preemption by swapping: move all of a sequence's device blocks down, if the tiers have room."""
-        c = self.cache
-        mine = [b for pool, b in c.seqs[sid].blocks if pool == STORE and c.alloc[STORE].ref[b] == 1]
-        if len(mine) > sum(len(c.alloc[p].free) for p in self.tiers):
-            return False
-        for b in mine:
-            self._evict_one(b)
-        self.counts["swapped_out_sequences"] += 1
-        return True
-
-    def swap_in(self, st, j: int) -> None:
-        """Bring logical block j of a sequence back to the device (it is about to be written)."""
-        pool, b = st.blocks[j]
-        if pool in (HOST, DISK):
-            self._move(pool, b, STORE)
-
-    def note_step(self, seq_ids: list[int]) -> None:
-        self.step += 1
-        for s in seq_ids:
-            self.last_step[s] = self.step
-        self.counts["peak_device_blocks"] = max(self.counts["peak_device_blocks"], self.cache.blocks_used)
-
-    # ---- staged attention ---------------------------------------------------------------------------
-    def plan_chunks(self, seq_ids: list[int], mb: int, one_pass: bool) -> list[tuple[torch.Tensor, dict]]:
-        """This step's offloaded blocks as chunks: (table (B, MB) of slots in a staging buffer, ids per tier).
-
-        `one_pass` (the CPU torch path, where host memory is the device's memory anyway): a single chunk
-        that also holds the resident blocks, so attention is one pass over exactly the same dense K/V as
-        without offload, and the results are bitwise identical. Otherwise chunks of `stage_blocks`.
-        """
-        tiers = (STORE, HOST, DISK) if one_pass else (HOST, DISK)
-        entries = [(row, j, pool, b) for row, sid in enumerate(seq_ids)
-                   for j, (pool, b) in enumerate(self.cache.seqs[sid].blocks) if pool in tiers]
+    # ---- staged attention ---------------------------------------------------------------------
+    def plan_chunks(self, entries: list[tuple[int, int, int, int]], n_rows: int, width: int,
+                    one_pass: bool) -> list[tuple[torch.Tensor, dict]]:
+        """A step's blocks (row, logical block, tier, id) as chunks: (table (B, MB) of slots in a
+        staging buffer, block ids per tier). `entries` hold the offloaded blocks, and with
+        `one_pass` (the CPU, where host memory is the device's memory anyway) the resident ones
+        too: one chunk, so attention is one pass over exactly the same dense K/V as without
+        offload, bitwise. Otherwise chunks of `stage_blocks`."""
         staged = sum(e[2] != STORE for e in entries)
         if not staged:
             return []
         self.counts["blocks_read_staged"] += staged
-        self.counts["blocks_read_on_device"] += sum(pool == STORE for sid in seq_ids
-                                                    for pool, _ in self.cache.seqs[sid].blocks)
+        self.counts["blocks_read_on_device"] += len(entries) - staged
+        tiers = (STORE, HOST, DISK) if one_pass else (HOST, DISK)
         size = len(entries) if one_pass else self.stage_blocks
         chunks = []
         for c0 in range(0, len(entries), size):
-            table = torch.full((len(seq_ids), mb), -1, dtype=torch.int32)
-            ids: dict[int, list[int]] = {pool: [] for pool in tiers}
+            table = torch.full((n_rows, width), -1, dtype=torch.int32)
+            ids: dict[int, list[int]] = {tier: [] for tier in tiers}
             slot = 0
-            for pool in tiers:  # slots: resident blocks first, then host, then disk
-                for row, j, pl, b in entries[c0:c0 + size]:
-                    if pl == pool:
+            for tier in tiers:  # slots: resident blocks first, then host, then disk
+                for row, j, t, b in entries[c0:c0 + size]:
+                    if t == tier:
                         table[row, j] = slot
-                        ids[pool].append(b)
+                        ids[tier].append(b)
                         slot += 1
-            chunks.append((table.to(self.cache.device), ids))
+            chunks.append((table.to(self.device), ids))
         return chunks
 
-    def attend_parts(self, layer: int, q: torch.Tensor, plan, fn, sm: float) -> list:
-        """Partial attention (o, lse) over each chunk of offloaded blocks, for one layer."""
-        chunks = plan.offload_chunks
-        attend = lambda table, bufs: fn(q, plan.q_seq, plan.positions, *self.cache.layer_views(layer, bufs),
-                                        table, plan.ctx_lens, sm)
+    def attend_parts(self, layer: int, chunks: list[tuple[torch.Tensor, dict]],
+                     attend: Callable[[list[torch.Tensor], torch.Tensor], tuple]) -> list[tuple]:
+        """Partial attention (o, lse) over each chunk, for one layer: attend(buffers, table)
+        attends over staging buffers laid out like the pool's tensors (one layer)."""
         if STORE in chunks[0][1]:  # one pass: a buffer the size of this step's blocks
             (table, ids), = chunks
-            bufs = [torch.empty((sum(map(len, ids.values())), *t.shape[2:]), dtype=t.dtype) for t in self.tensors]
+            n = sum(len(x) for x in ids.values())
+            bufs = [torch.empty((n, *t.shape[2:]), dtype=t.dtype) for t in self.tensors]
             self._gather(layer, ids, bufs)
-            return [attend(table, bufs)]
+            return [attend(bufs, table)]
         parts = []
-        fill = lambda i: self.stager.fill(i % 2, sum(map(len, chunks[i][1].values())),
-                                          lambda outs: self._gather(layer, chunks[i][1], outs))
-        bufs = fill(0)
+        bufs = self._fill(0, layer, chunks[0][1])
         for i, (table, _) in enumerate(chunks):
-            nxt = fill(i + 1) if i + 1 < len(chunks) else None  # this copy overlaps the attention below
-            parts.append(self.stager.attend(i % 2, attend, table, bufs))
+            nxt = None
+            if i + 1 < len(chunks):  # this copy overlaps the attention below
+                nxt = self._fill((i + 1) % 2, layer, chunks[i + 1][1])
+            parts.append(self.stager.attend(i % 2, attend, bufs, table))
             bufs = nxt
         return parts
 
+    def _fill(self, slot: int, layer: int, ids: dict[int, list[int]]) -> list[torch.Tensor]:
+        n = sum(len(x) for x in ids.values())
+
+        def gather(outs: list[torch.Tensor]) -> None:
+            self._gather(layer, ids, outs)
+        return self.stager.fill(slot, n, gather)
+
     def _gather(self, layer: int, ids: dict[int, list[int]], outs: list[torch.Tensor]) -> None:
-        """One layer's rows of the listed blocks, tier after tier (the order plan_chunks numbered them)."""
+        """One layer's rows of the listed blocks, tier after tier (plan_chunks' slot order)."""
         at = 0
-        for pool, lst in ids.items():
+        for tier, lst in ids.items():
             if not lst:
                 continue
             rows = [o[at:at + len(lst)] for o in outs]
             idx = torch.tensor(lst)
-            if pool == STORE:
+            if tier == STORE:
                 for t, r in zip(self.tensors, rows):  # one pass: only on the CPU, where the pool is
                     torch.index_select(t[layer], 0, idx, out=r)
             else:
-                self.tiers[pool].read_into(layer, idx, rows)
-                self.counts[f"bytes_{TIER_NAMES[pool]}_to_device"] += sum(r.nbytes for r in rows)
+                self.tiers[tier].read_into(layer, idx, rows)
+                self.counts[f"bytes_{TIER_NAMES[tier]}_to_device"] += sum(r.nbytes for r in rows)
             at += len(lst)
-
-    def stats(self) -> dict:
-        c = self.cache
-        out = dict(self.counts)
-        out["host_blocks_used"] = len(c.alloc[HOST].ref) - len(c.alloc[HOST].free)
-        out["disk_blocks_used"] = len(c.alloc[DISK].ref) - len(c.alloc[DISK].free) if DISK in c.alloc else 0
-        return out
 
     def close(self) -> None:
         if DISK in self.tiers:
             self.tiers[DISK].close()
-
-
-def raise_full(cache) -> None:
-    tiers = ", ".join(f"{TIER_NAMES[p]} {len(a.ref)}" for p, a in cache.alloc.items() if p != HOT)
-    raise PoolExhausted(f"KV cache full on every tier (blocks: {tiers}); raise --device-blocks or --host-blocks",
-                        None)
-

@@ -25,13 +25,12 @@ from types import SimpleNamespace
 
 import torch
 
-from .cache import PagedKVCache
-from .cli import add_cache_args, add_model_args, load_model, make_cache
-from .generate import Engine, Sampling
-from .quant import KVSpec, bytes_per_token
-
-DEFAULT_TEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2-raw-test.txt"
+from .. import evaluate
+from ..cache import hot_blocks, make_cache
+from ..generate import Engine, Sampling
+from ..quant import KVSpec, bytes_per_token
 KIVI = "k=int4:channel:asym,v=int4:g32:asym,residual=64"
+DEFAULT_SPECS = ("fp16", "int8", "int4", KIVI)
 MEM_SPECS = ["fp32", "fp16", "fp8", "int8", "int4", "int2", KIVI]
 BUDGET = 256 * 2**20  # KV bytes, for the memory part
 HF_QUANT = {"backend": "quanto", "nbits": 4}  # transformers' defaults otherwise: q_group_size 64, residual 128
@@ -59,14 +58,14 @@ def machine_info(device: torch.device) -> dict:
 # ---- measuring ------------------------------------------------------------------------------------
 def run_engine(model, prompts: list[list[int]], kv: str, n_new: int, max_batch: int = 1):
     """Exactly n_new greedy tokens per prompt through one engine and the cache `generate --kv KV` would build."""
-    ap = argparse.ArgumentParser()
-    add_cache_args(ap)
-    cache = make_cache(model, ap.parse_args(["--kv", kv]), sum(len(p) + n_new for p in prompts),
-                       max_seqs=min(len(prompts), max_batch))
-    eng = Engine(model, cache, max_batch=max_batch)
-    rids = [eng.add(p, Sampling(temperature=0, max_new_tokens=n_new)) for p in prompts]
-    t0 = time.perf_counter()
-    list(eng.run())
+    p = next(model.parameters())
+    need = sum(len(x) + n_new for x in prompts)
+    with make_cache(model.cfg, kv, tokens=need, max_seqs=min(len(prompts), max_batch),
+                    device=p.device, dtype=p.dtype) as cache:
+        eng = Engine(model, cache, max_batch=max_batch)
+        rids = [eng.add(x, Sampling(temperature=0, max_new_tokens=n_new)) for x in prompts]
+        t0 = time.perf_counter()
+        list(eng.run())
     return eng, time.perf_counter() - t0, [eng.requests[r].new_ids for r in rids]
 
 
@@ -149,9 +148,12 @@ def bench_memory(cfg, specs: list[str], budget: int = BUDGET, context: int = 102
     rows = []
     for s in specs:
         spec = KVSpec.parse(s)
-        c = PagedKVCache(cfg, spec, 2, block_size, max_seqs=1, max_step_tokens=block_size, dtype=dtype)
-        # full-precision blocks the cache reserves per sequence (sink, residual window, tails awaiting scales)
-        hot_seq = c.hot.nbytes // c.n_hot * (c.sink_blocks + c.res_blocks + 2) if c.n_hot else 0
+        c = make_cache(cfg, spec, blocks=2, block_size=block_size, max_seqs=1,
+                       max_step_tokens=block_size, dtype=dtype, attention="torch")
+        # full-precision blocks a sequence holds (sink, residual window, tails awaiting scales)
+        hot_seq = 0
+        if c.n_hot:
+            hot_seq = c.pools.hot.nbytes // c.n_hot * hot_blocks(spec, block_size, 1, 0)
         per_block = c.bytes_per_token * block_size
         formula = cfg.n_layers * sum(bytes_per_token(p, cfg.n_kv_heads, cfg.head_dim, block_size)
                                      for p in (spec.k, spec.v))
@@ -164,13 +166,12 @@ def bench_memory(cfg, specs: list[str], budget: int = BUDGET, context: int = 102
 
 def bench_quality(model, tokens: list[int], specs: list[str], window: int, tick: Tick = _nop) -> dict:
     """Perplexity per spec through the cache (tinykv.evaluate), or a note saying why there is none."""
-    try:
-        from . import evaluate
-    except ImportError as e:
-        return {"note": f"skipped: tinykv.evaluate is not available ({e})", "rows": []}
     rows = []
+    p = next(model.parameters())
     for s in specs:
-        r = evaluate.perplexity(model, evaluate.new_cache(model, KVSpec.parse(s), window, 256), tokens, window, 256)
+        with make_cache(model.cfg, s, tokens=window, max_seqs=1, max_step_tokens=256,
+                        device=p.device, dtype=p.dtype) as cache:
+            r = evaluate.perplexity(model, cache, tokens, window, 256)
         rows.append({"kv": r.kv, "ppl": r.ppl, "bytes_per_token": r.kv_bytes_per_token, "tokens": r.tokens})
         tick(f"perplexity {s}")
     return {"window": window, "chunk": 256, "tokens": len(tokens), "rows": rows}
@@ -179,7 +180,7 @@ def bench_quality(model, tokens: list[int], specs: list[str], window: int, tick:
 def collect(model, hf, ids: list[int], m: dict, specs: list[str], batch_kv: str = "int8",
             hf_quant: bool = False, tick: Tick = _nop) -> dict:
     """Every part of the benchmark in mode `m` (see MODES), prompts cut from the token ids `ids`."""
-    need = max(m["lengths"]) + max(m["batches"]) * m["batch_lens"][1]
+    need = needed_tokens(m)
     if len(ids) < need:
         raise ValueError(f"the text has {len(ids)} tokens; this benchmark needs {need}")
     hf_q = ("quanto int4, q_group_size 64, residual_length 128" if hf_quant else
@@ -279,67 +280,58 @@ def render_readme(results: dict | str | Path) -> str:
     return "\n".join(["## Results", "", head, ""] + tables(res) + [""] + links) + "\n"
 
 
-# ---- command line ---------------------------------------------------------------------------------
-def add_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--quick", action="store_true", help="prompts of 128 and 1024 tokens, fewer runs (minutes)")
-    ap.add_argument("--text", help=f"text to cut prompts from (default: {DEFAULT_TEXT} when it exists)")
-    ap.add_argument("--out", default="bench/results.json", help="results JSON; charts go beside it")
-    ap.add_argument("--readme", action="store_true", help="print the README Results section from --out and exit")
-    ap.add_argument("--kv", nargs="+", default=["fp16", "int8", "int4"], help="tinykv KV specs for the e2e part")
-    ap.add_argument("--batch-kv", default="int8", help="KV spec for the batching part")
-    ap.add_argument("--reps", type=int, help="repetitions per point (default: 3, quick: 1)")
-    ap.add_argument("--no-transformers", action="store_true", help="tinykv only")
-    add_model_args(ap)  # --weights --device --dtype --threads
-    ap.set_defaults(threads=1)  # steady on a shared machine, where waiting threads slow small ops ~10x
-
-
-def run(args: argparse.Namespace) -> dict | None:
+# ---- running it ----------------------------------------------------------------------------------
+def run(model, weights: Path, text: str, text_name: str, quick: bool = False,
+        specs: list[str] | None = None, reps: int | None = None, transformers: bool = True,
+        out: str | Path = "bench/results-new.json", command: str = "python -m tinykv bench",
+        batch_kv: str = "int8") -> dict:
+    """The whole benchmark on `model` (loaded from `weights`), prompts cut from `text`; writes the
+    JSON and charts to `out` and prints the tables."""
     from tqdm import tqdm
 
-    from .tokenizer import Tokenizer
+    from ..tokenizer import Tokenizer
 
-    if args.readme:
-        print(render_readme(Path(args.out)), end="")
-        return None
-    text = Path(args.text) if args.text else DEFAULT_TEXT
-    if not text.is_file():
-        raise ValueError(f"text file not found: {text} (pass --text FILE)")
-    specs = args.kv
-    mode = {**MODES["quick" if args.quick else "full"], **({"reps": args.reps} if args.reps else {})}
-    model, path = load_model(args)
-    ids = Tokenizer.from_dir(path).encode(text.read_text(encoding="utf-8")[:1_000_000])
+    specs = specs or list(DEFAULT_SPECS)
+    mode = {**MODES["quick" if quick else "full"], **({"reps": reps} if reps else {})}
+    ids = Tokenizer.from_dir(weights).encode(text[:1_000_000])
+    ids = repeat_to(ids, needed_tokens(mode))
     hf, hf_quant, p = None, False, next(model.parameters())
-    if not args.no_transformers and importlib.util.find_spec("transformers"):
-        import transformers
+    if transformers and importlib.util.find_spec("transformers"):
+        import transformers as tf
 
-        transformers.logging.set_verbosity_error()
-        hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=p.dtype).to(p.device).eval()
-        hf_quant = bool(importlib.util.find_spec("optimum") and importlib.util.find_spec("optimum.quanto"))
+        tf.logging.set_verbosity_error()
+        hf = tf.AutoModelForCausalLM.from_pretrained(weights, dtype=p.dtype).to(p.device).eval()
+        hf_quant = bool(importlib.util.find_spec("optimum")
+                        and importlib.util.find_spec("optimum.quanto"))
     n_eng = len(specs) + (hf is not None) + hf_quant
-    bar = tqdm(total=n_eng * (1 + len(mode["lengths"]) * mode["reps"]) + 2 * len(mode["batches"]) + len(MEM_SPECS),
-               desc="bench", unit="run")
-    tick = lambda what: (bar.set_postfix_str(what), bar.update())
-    argv = sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:]
-    res = {"command": " ".join(["python -m tinykv bench", *argv]), "machine": machine_info(p.device),
-           "weights": str(path), "text": str(text)}
-    res.update(collect(model, hf, ids, mode, specs, args.batch_kv, hf_quant, tick))
+    total = n_eng * (1 + len(mode["lengths"]) * mode["reps"]) + 2 * len(mode["batches"])
+    bar = tqdm(total=total + len(MEM_SPECS), desc="bench", unit="run")
+
+    def tick(what: str) -> None:
+        bar.set_postfix_str(what)
+        bar.update()
+    res = {"command": command, "machine": machine_info(p.device), "weights": str(weights),
+           "text": text_name}
+    res.update(collect(model, hf, ids, mode, specs, batch_kv, hf_quant, tick))
     bar.close()
-    out = Path(args.out)
+    out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     res["charts"] = charts(res, out.parent)
     out.write_text(json.dumps(res, indent=1))
     print("\n".join(tables(res)))
-    print(f"[tinykv] results in {out}" + "".join(f", {v}" for k, v in res["charts"].items() if k != "note"))
+    charts_made = "".join(f", {v}" for k, v in res["charts"].items() if k != "note")
+    print(f"[tinykv] results in {out}{charts_made}")
     return res
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="tinykv bench", description=__doc__.splitlines()[0],
-                                 epilog="--threads is 1 here unless given: steady numbers on a shared machine")
-    add_args(ap)
-    try:
-        run(ap.parse_args(argv))
-    except (ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    return 0
+def needed_tokens(mode: dict) -> int:
+    return max(mode["lengths"]) + max(mode["batches"]) * mode["batch_lens"][1]
+
+
+def repeat_to(ids: list[int], n: int) -> list[int]:
+    """ids repeated until there are n: a short text still gives long prompts (speed does not
+    depend on what the words are; perplexity is measured on the text's first tokens)."""
+    if not ids:
+        raise ValueError("the benchmark text is empty")
+    reps = -(-n // len(ids))
+    return (ids * reps)[:max(n, len(ids))]

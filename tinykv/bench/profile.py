@@ -9,7 +9,6 @@ run only.
 
 from __future__ import annotations
 
-import argparse
 import time
 from collections import Counter
 from contextlib import ExitStack, contextmanager
@@ -19,9 +18,9 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-from .cache import PagedKVCache
-from .cli import add_cache_args, add_model_args, load_model, make_cache
-from .generate import Engine, Sampling
+from ..cache import PagedKVCache, make_cache
+from ..generate import Engine, Sampling
+from ..pools import KVPools
 
 PARTS = ["linear", "cache.write", "cache.attend"]
 
@@ -46,9 +45,9 @@ def timing(owner, name: str, acc: Counter, key: str):
 
 def profile_tinykv(model, prompt: list[int], kv: str, n_new: int) -> dict:
     """ms per decoded token, in all and per part, over n_new decode steps after the prompt."""
-    ap = argparse.ArgumentParser()
-    add_cache_args(ap)
-    cache = make_cache(model, ap.parse_args(["--kv", kv]), len(prompt) + n_new + 2, max_seqs=1)
+    p = next(model.parameters())
+    cache = make_cache(model.cfg, kv, tokens=len(prompt) + n_new + 2, max_seqs=1,
+                       device=p.device, dtype=p.dtype)
     eng = Engine(model, cache, max_batch=1)
     eng.add(prompt, Sampling(temperature=0, max_new_tokens=n_new + 2))
     while eng.stats.decode_tokens == 0:  # the prompt, and one decode step to warm up
@@ -56,8 +55,8 @@ def profile_tinykv(model, prompt: list[int], kv: str, n_new: int) -> dict:
     acc: Counter = Counter()
     with ExitStack() as stack:
         stack.enter_context(timing(F, "linear", acc, "linear"))  # nn.Linear looks F.linear up at each call
-        for m in ("write", "attend"):
-            stack.enter_context(timing(PagedKVCache, m, acc, f"cache.{m}"))
+        stack.enter_context(timing(KVPools, "write", acc, "cache.write"))
+        stack.enter_context(timing(PagedKVCache, "attend", acc, "cache.attend"))
         t0, steps = time.perf_counter(), 0
         while eng.running:
             eng.step()
@@ -90,37 +89,34 @@ def _row(engine: str, kv: str, prompt: int, total: float, acc: Counter, steps: i
             "rest": (total - sum(acc.values())) / steps * 1e3}
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
-    from .bench_e2e import DEFAULT_TEXT
-    from .tokenizer import Tokenizer
+def run(model, weights: Path, text: str, prompts: list[int], n_new: int = 32,
+        specs: list[str] | None = None, transformers: bool = True) -> list[dict]:
+    """Profile rows for each prompt length and spec (and transformers), printed as they come."""
+    from ..tokenizer import Tokenizer
 
-    ap = argparse.ArgumentParser(prog="tinykv bench profile", description=__doc__.splitlines()[0])
-    ap.add_argument("--prompt", type=int, nargs="+", default=[128, 1024], help="prompt lengths (tokens)")
-    ap.add_argument("--new", type=int, default=32, help="decode steps timed")
-    ap.add_argument("--kv", nargs="+", default=["fp16", "int8", "int4"], help="tinykv KV specs")
-    ap.add_argument("--text", default=str(DEFAULT_TEXT), help="text to cut the prompt from")
-    ap.add_argument("--no-transformers", action="store_true", help="tinykv only")
-    add_model_args(ap)
-    ap.set_defaults(threads=1)  # as `bench`
-    args = ap.parse_args(argv)
-    if not Path(args.text).is_file():
-        raise ValueError(f"text file not found: {args.text} (pass --text FILE)")
-    model, path = load_model(args)
-    ids = Tokenizer.from_dir(path).encode(Path(args.text).read_text(encoding="utf-8")[:200_000])
+    specs = specs or ["fp16", "int8", "int4"]
+    ids = Tokenizer.from_dir(weights).encode(text[:200_000])
     hf = None
-    if not args.no_transformers:
-        import transformers
+    if transformers:
+        import transformers as tf
 
-        transformers.logging.set_verbosity_error()
-        hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=model.embed.weight.dtype).eval()
+        tf.logging.set_verbosity_error()
+        hf = tf.AutoModelForCausalLM.from_pretrained(weights, dtype=model.embed.weight.dtype)
+        hf = hf.eval()
     rows = []
-    print(f"{'engine / KV':24} {'prompt':>6} {'ms/token':>9} " + " ".join(f"{k:>12}" for k in PARTS + ["rest"]))
-    for n in args.prompt:
+    head = " ".join(f"{k:>12}" for k in PARTS + ["rest"])
+    print(f"{'engine / KV':24} {'prompt':>6} {'ms/token':>9} {head}")
+    engines = [*specs, *([None] if hf is not None else [])]  # None: transformers
+    for n in prompts:
         if n >= len(ids):
             raise ValueError(f"the text has {len(ids)} tokens; --prompt {n} needs more")
-        for kv in [*args.kv, *([None] if hf is not None else [])]:  # None: transformers
-            r = profile_tinykv(model, ids[:n], kv, args.new) if kv else profile_hf(hf, ids[:n], args.new)
+        for kv in engines:
+            if kv is None:
+                r = profile_hf(hf, ids[:n], n_new)
+            else:
+                r = profile_tinykv(model, ids[:n], kv, n_new)
             rows.append(r)
-            print(f"{r['engine'] + ' ' + r['kv']:24} {n:>6} {r['ms_per_token']:>9.1f} "
-                  + " ".join(f"{r[k]:>12.1f}" if k in r else f"{'-':>12}" for k in PARTS + ["rest"]), flush=True)
+            parts = " ".join(f"{r[k]:>12.1f}" if k in r else f"{'-':>12}" for k in PARTS + ["rest"])
+            print(f"{r['engine'] + ' ' + r['kv']:24} {n:>6} {r['ms_per_token']:>9.1f} {parts}",
+                  flush=True)
     return rows

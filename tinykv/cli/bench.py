@@ -1,0 +1,47 @@
+"""`python -m tinykv bench [kernel|profile]`: the benchmarks' flags to their library functions."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+
+from .commands import load_model, read_text
+
+
+def cmd_bench(args) -> None:
+    from ..evaluate import SAMPLE_TEXT
+
+    if args.bench_cmd == "kernel":
+        return cmd_bench_kernel(args)
+    text_path = args.text or str(SAMPLE_TEXT)
+    if args.bench_cmd == "profile":
+        text = read_text(text_path, "bench profile")
+        from ..bench import profile
+
+        model, path = load_model(args)
+        specs = [str(s) for s in args.kv] if args.kv else None
+        profile.run(model, path, text, args.prompt, args.new, specs,
+                    transformers=not args.no_transformers)
+        return None
+    from ..bench import e2e
+
+    if args.readme:
+        print(e2e.render_readme(args.readme), end="")
+        return None
+    text = read_text(text_path, "bench")
+    model, path = load_model(args)
+    specs = [str(s) for s in args.kv] if args.kv else None
+    command = " ".join(["python -m tinykv bench", *map(shlex.quote, sys.argv[2:])])
+    e2e.run(model, path, text, text_path, quick=args.quick, specs=specs, reps=args.reps,
+            transformers=not args.no_transformers, out=args.out, command=command)
+    return None
+
+
+def cmd_bench_kernel(args) -> None:
+    from ..bench import kernel
+
+    if args.aot:
+        kernel.aot_report()
+        return
+    specs = [str(s) for s in args.kv] if args.kv else ["fp16", "int8", "int4"]
+    kernel.bench_kernel(specs, args.block_size, args.reps, args.quick, args.out)

@@ -1,0 +1,154 @@
+"""The tensors of the paged KV cache: the store pool, in the spec's storage format, and the hot pool,
+in full precision, with the two ways data enters them (quantize new tokens on store, quantize a
+finished hot block) and the views the attention kernels read.
+
+Store pool of K (and of V): `data` (L, NB, H, BS, D // per_byte) codes, plus `scale` and `zero`
+(L, NB|1, H|1, BS|1, G) for integer and fp8 formats; a size-1 dim is shared, so one formula
+`x = (q - zero) * scale` serves every granularity (quant.py). Static scales are one set per layer,
+(L, 1, H|1, 1, G), and never move with a block. Hot pool: (2, L, NH, H, BS, D) K and V as is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .blocks import HOT
+from .kernels import PoolLayer
+from .model import Config
+from .quant import KVSpec, QuantParams, compute_scales, quantize
+
+_FLOAT_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+@dataclass
+class StorePool:
+    """K or V of every layer in one storage format."""
+    p: QuantParams
+    data: torch.Tensor  # (L, NB, H, BS, D // per_byte)
+    scale: torch.Tensor | None  # (L, NB|1, H|1, BS|1, G); None for plain-cast formats
+    zero: torch.Tensor | None  # like scale; None when symmetric
+
+    def moving(self) -> list[torch.Tensor]:
+        """Tensors whose dim 1 is the block: what moves when a block moves (static scales stay)."""
+        out = [self.data]
+        if not self.p.static:
+            out += [t for t in (self.scale, self.zero) if t is not None]
+        return out
+
+    def layer(self, layer: int, moving: list[torch.Tensor] | None = None) -> PoolLayer:
+        """One layer as kernels read it; the moving tensors may come from a staging buffer."""
+        if moving is None:
+            moving = [t[layer] for t in self.moving()]
+        data = moving[0]
+        if self.p.static:
+            scale = None if self.scale is None else self.scale[layer]
+            zero = None if self.zero is None else self.zero[layer]
+        else:
+            scale = moving[1] if self.scale is not None else None
+            zero = moving[2] if self.zero is not None else None
+        return PoolLayer(data, scale, zero, self.p)
+
+
+def make_store_pool(cfg: Config, p: QuantParams, num_blocks: int, block_size: int, name: str,
+                    static: dict[str, torch.Tensor] | None, device: torch.device) -> StorePool:
+    L, H, D = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
+    shape = (L, num_blocks, H, block_size, D // p.per_byte)
+    data = torch.zeros(shape, dtype=p.storage_dtype, device=device)
+    if p.is_float:
+        return StorePool(p, data, None, None)
+    if p.static:  # one set per layer, shared by every block: (L, 1, H|1, 1, G)
+        scale = static[f"{name}_scale"].to(device, torch.float32).unsqueeze(1)
+        zero = None
+        if not p.sym:
+            zero = static[f"{name}_zero"].to(device, torch.float32).unsqueeze(1)
+        return StorePool(p, data, scale, zero)
+    scale_shape = (L, num_blocks, *p.scale_shape(H, block_size, D))
+    scale = torch.ones(scale_shape, dtype=torch.float16, device=device)
+    zero = None if p.sym else torch.zeros(scale_shape, dtype=torch.float16, device=device)
+    return StorePool(p, data, scale, zero)
+
+
+StoreFn = Callable[..., "torch.Tensor | int"]  # the quantize_store_ref signature (kernels.py)
+
+
+class KVPools:
+    """The store and hot pools of one cache, and the store kernel chosen when the cache was built."""
+
+    def __init__(self, cfg: Config, spec: KVSpec, num_blocks: int, n_hot: int, block_size: int,
+                 device: torch.device, dtype: torch.dtype, static: dict[str, torch.Tensor] | None,
+                 store_fn: StoreFn):
+        self.store_fn = store_fn
+        self.k = make_store_pool(cfg, spec.k, num_blocks, block_size, "k", static, device)
+        self.v = make_store_pool(cfg, spec.v, num_blocks, block_size, "v", static, device)
+        L, H, D = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
+        self.hot = torch.zeros(2, L, n_hot, H, block_size, D, dtype=dtype, device=device)  # K, V
+        hot_p = QuantParams(_FLOAT_NAMES[dtype])
+        self.hot_views = [(PoolLayer(self.hot[0, i], None, None, hot_p),
+                           PoolLayer(self.hot[1, i], None, None, hot_p)) for i in range(L)]
+        self.views = [(self.k.layer(i), self.v.layer(i)) for i in range(L)]  # made once
+        self.dtype = dtype
+        self._saturated = torch.zeros((), dtype=torch.int64, device=device)  # counting needs no sync
+
+    def moving(self) -> list[torch.Tensor]:
+        """Store tensors (L, NB, ...) whose dim 1 is the block: what moves when a block moves."""
+        return self.k.moving() + self.v.moving()
+
+    def layer(self, layer: int, moving: list[torch.Tensor] | None = None) -> tuple[PoolLayer, ...]:
+        """(K, V) of one layer of the store; `moving` (a staging buffer's tensors) replaces the pool's."""
+        if moving is None:
+            return self.views[layer]
+        n_k = len(self.k.moving())
+        return self.k.layer(layer, moving[:n_k]), self.v.layer(layer, moving[n_k:])
+
+    @property
+    def saturated(self) -> int:
+        """Values that scales clipped (and NaNs) since the pools were made."""
+        return int(self._saturated)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.moving())
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor,
+              slots: dict[int, tuple]) -> None:
+        """Store new keys/values k, v (N, H, D) at their slots: quantized into store blocks, as they
+        are into hot ones. slots: pool -> (token index (a slice for all), block ids, offsets)."""
+        for pool, (idx, blk, off) in slots.items():
+            if pool == HOT:
+                self.hot[0, layer, blk, :, off] = k[idx].to(self.dtype)
+                self.hot[1, layer, blk, :, off] = v[idx].to(self.dtype)
+                continue
+            for x, pl in zip((k, v), self.views[layer]):
+                n_sat = self.store_fn(x[idx], pl.p, pl.data, pl.scale, pl.zero, blk, off)
+                if not isinstance(n_sat, int) or n_sat:  # adding a Python 0 would cost an op a layer
+                    self._saturated += n_sat
+
+    def copy_within(self, pool: int, src: int, dst: int) -> None:
+        """Copy one block to another slot of the same pool (copy on write)."""
+        if pool == HOT:
+            self.hot[:, :, dst] = self.hot[:, :, src]
+            return
+        for t in self.moving():
+            t[:, dst] = t[:, src]
+
+    def quantize_hot(self, hot_b: int, b: int) -> None:
+        """Quantize hot block hot_b, all layers at once, into store block b."""
+        for i, pool in enumerate((self.k, self.v)):
+            p = pool.p
+            x = self.hot[i, :, hot_b]  # (L, H, BS, D)
+            if p.static:
+                scale = pool.scale[:, 0]
+                zero = None if pool.zero is None else pool.zero[:, 0]
+            elif p.is_float:
+                scale = zero = None
+            else:
+                scale, zero = compute_scales(x, p)
+                pool.scale[:, b] = scale
+                if zero is not None:
+                    pool.zero[:, b] = zero
+            codes, n_sat = quantize(x, p, scale, zero, count=p.static)
+            pool.data[:, b] = codes
+            self._saturated += n_sat
