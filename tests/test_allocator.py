@@ -79,7 +79,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     @invariant()
     def every_sequence_reads_its_own_tokens(self):
-        data = self.cache.pools.k.data[0]  # (NB, H, BS, D)
+        data = self.cache.pools.groups[0].k.data[0]  # (NB, H, BS, D)
         for sid, toks in self.truth.items():
             s = self.cache.tables.seqs[sid]
             assert s.tokens == toks

@@ -85,7 +85,8 @@ def test_roundtrip_bit_exact_and_tamper_detected(tmp_path):
     with open(disk.path, "r+b") as f:
         f.truncate(10)
     with pytest.raises(OffloadError, match="truncated"):
-        disk.read_into(0, torch.tensor([d]), [torch.empty_like(t[0, :1]) for t in cache.pools.moving()])
+        disk.read_into(cache.pools.layer_rows(0), torch.tensor([d]),
+                       [torch.empty_like(t[0, :1]) for t in cache.pools.moving()])
 
 
 def test_lse_merge_equals_single_pass():

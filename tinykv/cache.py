@@ -24,7 +24,7 @@ from .kernels import merge_partials, paged_attention_ref, quantize_store_ref
 from .model import Config
 from .offload import OffloadConfig, Offloader
 from .pools import KVPools
-from .quant import KVSpec, bytes_per_token
+from .quant import KVSpec, bytes_per_token, layer_rotations
 from .tables import BlockTables
 
 __all__ = ["CacheError", "Kernels", "PagedKVCache", "Plan", "PoolExhausted", "make_cache",
@@ -91,9 +91,22 @@ class Plan:
     offload_chunks: list = field(default_factory=list)  # staged chunks of offloaded blocks
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q (N, Hq, D), k, v (N, H, D) -> o (N, Hq, D)."""
+        """q (N, Hq, D), k, v (N, H, D) -> o (N, Hq, D).
+
+        With `:rot`, keys (after RoPE) and queries turn by the same orthogonal R_k, so scores are
+        unchanged; values turn by R_v before they are stored and the output turns back, outside
+        the kernels, so every kernel serves rotated caches unchanged."""
+        rk, rv = self.cache.rotations[layer]
+        if rk is not None:
+            q = q @ rk  # (N, Hq, D): q R . k R = q . k
+            k = k @ rk
+        if rv is not None:
+            v = v @ rv
         self.cache.pools.write(layer, k, v, self.slots)
-        return self.cache.attend(layer, q, self)
+        o = self.cache.attend(layer, q, self)  # (N, Hq, D)
+        if rv is not None:
+            o = o @ rv.T  # sum p (v R) = (sum p v) R
+        return o
 
 
 class PagedKVCache:
@@ -115,8 +128,13 @@ class PagedKVCache:
                                   off.host_blocks, off.disk_blocks if off.disk_dir else 0)
         self.offload = None
         if off.host_blocks:
-            self.offload = Offloader(self.pools.moving(), off, self.device)
+            self.offload = Offloader(self.pools.moving(), off, self.device,
+                                     self.pools.layer_rows)
         self.sm_scale = 1.0 / math.sqrt(cfg.head_dim)
+        self.rotations = []  # per layer (R_k, R_v), each (D, D) or None
+        for rk, rv in layer_rotations(spec, cfg.n_layers, cfg.head_dim):
+            self.rotations.append(tuple(None if r is None else r.to(self.device, dtype)
+                                        for r in (rk, rv)))
 
     # ---- lifetime ---------------------------------------------------------------------------------
     def close(self) -> None:
@@ -133,7 +151,7 @@ class PagedKVCache:
     # ---- memory -----------------------------------------------------------------------------------
     @property
     def num_blocks(self) -> int:
-        return self.pools.k.data.shape[1]
+        return self.pools.groups[0].k.data.shape[1]
 
     @property
     def nbytes(self) -> int:
@@ -293,11 +311,15 @@ def hot_blocks(spec: KVSpec, block_size: int, max_seqs: int, max_step_tokens: in
     return per_seq * max_seqs + max_step_tokens // block_size
 
 
-def block_bytes(cfg: Config, spec: KVSpec, block_size: int) -> float:
-    """Bytes of one store block, all layers, K and V (quant.bytes_per_token's formula)."""
-    per_token = sum(bytes_per_token(p, cfg.n_kv_heads, cfg.head_dim, block_size)
-                    for p in (spec.k, spec.v))
-    return cfg.n_layers * per_token * block_size
+def block_bytes(cfg: Config, spec: KVSpec, block_size: int,
+                dtype: torch.dtype = torch.float32) -> float:
+    """Bytes of one store block, all layers, K and V (quant.bytes_per_token's formula); skipped
+    layers store the model's dtype."""
+    H, D = cfg.n_kv_heads, cfg.head_dim
+    per_token = sum(bytes_per_token(p, H, D, block_size) for p in (spec.k, spec.v))
+    n_skip = len(spec.skipped(cfg.n_layers))
+    full = 2 * H * D * dtype.itemsize
+    return ((cfg.n_layers - n_skip) * per_token + n_skip * full) * block_size
 
 
 def make_cache(cfg: Config, spec: KVSpec | str, *, tokens: int | None = None,
@@ -318,9 +340,12 @@ def make_cache(cfg: Config, spec: KVSpec | str, *, tokens: int | None = None,
                          "(--kv-scales)")
     if block_size < 1:
         raise CacheError(f"block size {block_size} must be >= 1")
+    spec.skipped(cfg.n_layers)  # a skip= outside the model is a SpecError here
+    if spec.evict:
+        raise CacheError("evict= is not available yet")
     if sum(x is not None for x in (tokens, blocks, budget_bytes)) != 1:
         raise CacheError("size the cache by exactly one of tokens, blocks or budget_bytes")
-    per_block = block_bytes(cfg, spec, block_size)
+    per_block = block_bytes(cfg, spec, block_size, dtype)
     if blocks is None and budget_bytes is not None:
         blocks = int(budget_bytes // per_block)
         if blocks < 1:

@@ -28,7 +28,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from .model import Config, Transformer
-from .quant import KVSpec, QuantParams, compute_scales
+from .quant import KVSpec, QuantParams, compute_scales, layer_rotations
 
 FORMAT = "tinykv-kv-scales/1"  # metadata["format"] of a scale file
 
@@ -42,8 +42,10 @@ class Recorder:
     answers with plain causal attention, so the model computes what it does uncached. A call is
     one sequence."""
 
-    def __init__(self, model: Transformer, keep_q: bool = False):
+    def __init__(self, model: Transformer, keep_q: bool = False,
+                 rotations: list[tuple] | None = None):
         self.model, self.keep_q = model, keep_q
+        self.rotations = rotations  # per layer (R_k, R_v) of a `:rot` spec: record as stored
         self.seen = {w: [[] for _ in range(model.cfg.n_layers)] for w in "qkv"}  # (heads, N, D)
 
     def __call__(self, tokens: list[int]) -> None:
@@ -54,25 +56,34 @@ class Recorder:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> torch.Tensor:
-        """q (N, Hq, D), k, v (N, H, D) -> o (N, Hq, D), recording all three."""
+        """q (N, Hq, D), k, v (N, H, D) -> o (N, Hq, D), recording all three (rotated as the
+        cache rotates them, so static scales fit what it stores)."""
+        rk, rv = self.rotations[layer] if self.rotations else (None, None)
+        if rk is not None:
+            q, k = q @ rk.to(q.dtype), k @ rk.to(k.dtype)
+        if rv is not None:
+            v = v @ rv.to(v.dtype)
         for w, x in (("k", k), ("v", v)) + ((("q", q),) if self.keep_q else ()):
             self.seen[w][layer].append(x.float().transpose(0, 1).cpu())
         n_rep = q.shape[1] // k.shape[1]
         q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))  # (1, heads, N, D) as uncached
         o = torch.nn.functional.scaled_dot_product_attention(
             q, k.repeat_interleave(n_rep, 1), v.repeat_interleave(n_rep, 1), is_causal=True)
-        return o[0].transpose(0, 1)  # (N, Hq, D)
+        o = o[0].transpose(0, 1)  # (N, Hq, D)
+        if rv is not None:
+            o = o @ rv.to(o.dtype).T
+        return o
 
     def stacked(self, which: str) -> torch.Tensor:  # 'q', 'k' or 'v': (L, heads, T, D) float32 on the CPU
         return torch.stack([torch.cat(pieces, 1) for pieces in self.seen[which]])
 
 
 def record(model: Transformer, tokens: list[int], window: int = 1024, keep_q: bool = False,
-           progress: bool = False) -> Recorder:
+           progress: bool = False, rotations: list[tuple] | None = None) -> Recorder:
     """Run tokens through the model in independent windows (fresh positions 0..W-1 each) and record."""
     if not tokens or not 1 <= window <= model.cfg.max_seq_len:
         raise CalibrationError(f"need tokens and a window in 1..{model.cfg.max_seq_len} (got {len(tokens)}, {window})")
-    rec = Recorder(model, keep_q)
+    rec = Recorder(model, keep_q, rotations)
     for s in tqdm(range(0, len(tokens), window), desc="calibrate", unit="window", disable=not progress):
         rec(tokens[s:s + window])
     return rec
@@ -115,12 +126,22 @@ def observe(x: torch.Tensor, p: QuantParams, observer: str = "minmax") -> tuple[
     return lo.unsqueeze(2), hi.unsqueeze(2)
 
 
+def spec_rotations(model: Transformer, spec: KVSpec) -> list[tuple] | None:
+    """The cache's rotations for spec, or None when it has no `:rot` part."""
+    if not (spec.k.rot or spec.v.rot):
+        return None
+    return layer_rotations(spec, model.cfg.n_layers, model.cfg.head_dim)
+
+
 def check_request(spec: KVSpec, observer: str, vllm: bool = False) -> None:
     """Fail fast, before the slow part, on what calibration (and the vLLM export) cannot do."""
     if not spec.needs_scales:
         raise CalibrationError(f"KV spec '{spec}' has no static part to calibrate (e.g. int8:tensor:static)")
     parse_observer(observer)
     p = spec.k
+    if vllm and (p.rot or spec.v.rot or spec.skip):
+        raise CalibrationError(f"vLLM cannot apply tinykv's rotation or skipped layers: '{spec}' "
+                               "has :rot or skip= (export a spec without them)")
     if vllm and not (p == spec.v and p.sym and p.gran in ("tensor", "head") and p.dtype in ("fp8", "int8")):
         raise CalibrationError(f"vLLM's KV scale convention needs one static sym per-tensor or per-head fp8/int8 "
                                f"format for K and V (e.g. fp8:tensor:static); '{spec}' is not one")
@@ -145,7 +166,7 @@ def calibrate(model: Transformer, tokens: list[int], spec: KVSpec, observer: str
               window: int = 1024, progress: bool = False) -> dict[str, torch.Tensor]:
     """Record the model's keys/values over tokens and return static scales for spec."""
     check_request(spec, observer)
-    rec = record(model, tokens, window, progress=progress)
+    rec = record(model, tokens, window, progress=progress, rotations=spec_rotations(model, spec))
     return static_scales(rec.stacked("k"), rec.stacked("v"), spec, observer)
 
 
@@ -176,6 +197,9 @@ def load_scales(path: str | Path, cfg: Config, spec: KVSpec) -> dict[str, torch.
     if diff := [f"{k} {meta.get(k)} != {v}" for k, v in fingerprint(cfg).items() if meta.get(k) != v]:
         raise CalibrationError(f"{path} was calibrated for another model ({', '.join(diff)} of this one)")
     file_spec = KVSpec.parse(meta["spec"])
+    if file_spec.skip != spec.skip:
+        raise CalibrationError(f"{path} was calibrated for skip={file_spec.skip or 'none'}, "
+                               f"not skip={spec.skip or 'none'} (it is for '{file_spec}')")
     if not spec.needs_scales:
         raise CalibrationError(f"--kv-scales given but KV spec '{spec}' has no static part ({path}: '{file_spec}')")
     out = {}
@@ -241,7 +265,7 @@ def calibrate_to_file(model: Transformer, tokens: list[int], spec: KVSpec, out: 
     """Calibrate spec's static parts on tokens and save the scale file (and the vLLM export, the
     channel plot when asked); returns the number of tokens observed."""
     check_request(spec, observer, vllm=bool(vllm_out))
-    rec = record(model, tokens, window, progress=progress)
+    rec = record(model, tokens, window, progress=progress, rotations=spec_rotations(model, spec))
     k, v = rec.stacked("k"), rec.stacked("v")  # (L, H, T, D) each
     scales = static_scales(k, v, spec, observer)
     save_scales(out, scales, model.cfg, spec, observer, len(tokens))

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from .cache import PagedKVCache
-from .calibrate import pyplot, record
+from .calibrate import pyplot, record, spec_rotations
 from .model import Transformer
 from .quant import KVSpec, QuantParams, compute_scales, dequantize, quantize
 
@@ -160,8 +160,10 @@ def as_stored(x: torch.Tensor, p: QuantParams, bs: int = 16, scale: torch.Tensor
 def attention_error(model: Transformer, tokens: list[int], spec: KVSpec, block_size: int = 16,
                     static_scales: dict[str, torch.Tensor] | None = None) -> list[dict[str, float]]:
     """Per layer: kl_k, cos_k, cos_v, cos_kv over the first window `tokens` (see the module docstring)."""
-    rec = record(model, tokens, window=len(tokens), keep_q=True)
+    rotations = spec_rotations(model, spec)  # errors are measured where the cache stores: rotated
+    rec = record(model, tokens, window=len(tokens), keep_q=True, rotations=rotations)
     Q, K, V = (rec.stacked(w) for w in "qkv")  # (L, heads, T, D)
+    skipped = spec.skipped(model.cfg.n_layers)
     T, n_rep = K.shape[2], Q.shape[1] // K.shape[1]
     exact = _exact_mask(T, spec, block_size)[None, :, None]  # (1, T, 1)
     causal = torch.ones(T, T, dtype=torch.bool).tril()
@@ -169,6 +171,8 @@ def attention_error(model: Transformer, tokens: list[int], spec: KVSpec, block_s
     out = []
 
     def stored(x: torch.Tensor, p: QuantParams, name: str, layer: int) -> torch.Tensor:
+        if layer in skipped:  # kept at the model's dtype
+            return x.repeat_interleave(n_rep, 0)
         pick = lambda t: None if static_scales is None or t not in static_scales else static_scales[t][layer]
         y = as_stored(x, p, block_size, pick(f"{name}_scale"), pick(f"{name}_zero"))
         return torch.where(exact, x, y).repeat_interleave(n_rep, 0)  # (Hq, T, D)

@@ -57,9 +57,11 @@ class HostTier:
         for s, d in zip(self.t, dst):
             d[:, b].copy_(s[:, i], non_blocking=True)
 
-    def read_into(self, layer: int, ids: torch.Tensor, outs: list[torch.Tensor]) -> None:
-        for t, out in zip(self.t, outs):
-            torch.index_select(t[layer], 0, ids, out=out)
+    def read_into(self, rows: list[tuple[int, int]], ids: torch.Tensor,
+                  outs: list[torch.Tensor]) -> None:
+        """Blocks ids of (tensor, layer) rows into outs."""
+        for (ti, layer), out in zip(rows, outs):
+            torch.index_select(self.t[ti][layer], 0, ids, out=out)
 
 
 class DiskTier:
@@ -119,9 +121,11 @@ class DiskTier:
             rows = torch.stack([self._rows(k, layer, [i])[0] for layer in range(d.shape[0])])
             d[:, b].copy_(rows)
 
-    def read_into(self, layer: int, ids: torch.Tensor, outs: list[torch.Tensor]) -> None:
-        for k, out in enumerate(outs):
-            out.copy_(self._rows(k, layer, ids.tolist()))
+    def read_into(self, rows: list[tuple[int, int]], ids: torch.Tensor,
+                  outs: list[torch.Tensor]) -> None:
+        """Blocks ids of (tensor, layer) rows into outs."""
+        for (ti, layer), out in zip(rows, outs):
+            out.copy_(self._rows(ti, layer, ids.tolist()))
 
     def close(self) -> None:
         del self.views, self.mm
@@ -144,22 +148,25 @@ class Stager:
         self.copied: list = [None, None]  # per slot: the copy stream is done with it (host side free, data ready)
         self.read: list = [None, None]  # per slot: attention has finished reading the device buffer
 
-    def fill(self, slot: int, n: int, gather) -> list[torch.Tensor]:
-        """gather(host buffers) writes n rows; returns the slot's device buffers (data in flight on CUDA)."""
+    def fill(self, slot: int, n: int, gather, which: list[int]) -> list[torch.Tensor]:
+        """gather(host buffers) writes n rows into the buffers of tensors `which`; returns those
+        device buffers (data in flight on CUDA)."""
+        dev = [self.dev[slot][i] for i in which]
         if not self.cuda:
-            gather([b[:n] for b in self.dev[slot]])
-            return self.dev[slot]
+            gather([b[:n] for b in dev])
+            return dev
+        host = [self.host[slot][i] for i in which]
         if self.copied[slot] is not None:
             self.copied[slot].synchronize()  # the pinned buffer's last upload has left it
-        gather([b[:n] for b in self.host[slot]])
+        gather([b[:n] for b in host])
         with torch.cuda.stream(self.stream):
             if self.read[slot] is not None:
                 self.stream.wait_event(self.read[slot])
-            for d, h in zip(self.dev[slot], self.host[slot]):
+            for d, h in zip(dev, host):
                 d[:n].copy_(h[:n], non_blocking=True)
             self.copied[slot] = torch.cuda.Event()
             self.copied[slot].record(self.stream)
-        return self.dev[slot]
+        return dev
 
     def attend(self, slot: int, fn, *args):
         """fn(*args), an attention over the slot's buffers, once their copy has landed; note when it is done."""
@@ -175,8 +182,10 @@ class Stager:
 class Offloader:
     """The host and disk tiers' data, and the staged attention over them."""
 
-    def __init__(self, tensors: list[torch.Tensor], cfg: OffloadConfig, device: torch.device):
+    def __init__(self, tensors: list[torch.Tensor], cfg: OffloadConfig, device: torch.device,
+                 layer_rows: Callable[[int], list[tuple[int, int]]]):
         self.tensors = tensors  # device pool tensors (L, NB, ...) whose dim 1 is the block
+        self.layer_rows = layer_rows  # layer -> (tensor, layer within it) holding that layer
         self.tiers: dict = {HOST: HostTier(tensors, cfg.host_blocks, pin=device.type == "cuda")}
         if cfg.disk_dir and cfg.disk_blocks:
             self.tiers[DISK] = DiskTier(tensors, cfg.disk_blocks, cfg.disk_dir)
@@ -232,7 +241,9 @@ class Offloader:
         if STORE in chunks[0][1]:  # one pass: a buffer the size of this step's blocks
             (table, ids), = chunks
             n = sum(len(x) for x in ids.values())
-            bufs = [torch.empty((n, *t.shape[2:]), dtype=t.dtype) for t in self.tensors]
+            rows = self.layer_rows(layer)
+            bufs = [torch.empty((n, *self.tensors[ti].shape[2:]), dtype=self.tensors[ti].dtype)
+                    for ti, _ in rows]
             self._gather(layer, ids, bufs)
             return [attend(bufs, table)]
         parts = []
@@ -250,21 +261,23 @@ class Offloader:
 
         def gather(outs: list[torch.Tensor]) -> None:
             self._gather(layer, ids, outs)
-        return self.stager.fill(slot, n, gather)
+        which = [ti for ti, _ in self.layer_rows(layer)]
+        return self.stager.fill(slot, n, gather, which)
 
     def _gather(self, layer: int, ids: dict[int, list[int]], outs: list[torch.Tensor]) -> None:
         """One layer's rows of the listed blocks, tier after tier (plan_chunks' slot order)."""
         at = 0
+        where = self.layer_rows(layer)  # (tensor, layer within it) of each of outs
         for tier, lst in ids.items():
             if not lst:
                 continue
             rows = [o[at:at + len(lst)] for o in outs]
             idx = torch.tensor(lst)
-            if tier == STORE:
-                for t, r in zip(self.tensors, rows):  # one pass: only on the CPU, where the pool is
-                    torch.index_select(t[layer], 0, idx, out=r)
+            if tier == STORE:  # one pass: only on the CPU, where the pool is
+                for (ti, local), r in zip(where, rows):
+                    torch.index_select(self.tensors[ti][local], 0, idx, out=r)
             else:
-                self.tiers[tier].read_into(layer, idx, rows)
+                self.tiers[tier].read_into(where, idx, rows)
                 self.counts[f"bytes_{TIER_NAMES[tier]}_to_device"] += sum(r.nbytes for r in rows)
             at += len(lst)
 

@@ -6,6 +6,9 @@ Store pool of K (and of V): `data` (L, NB, H, BS, D // per_byte) codes, plus `sc
 (L, NB|1, H|1, BS|1, G) for integer and fp8 formats; a size-1 dim is shared, so one formula
 `x = (q - zero) * scale` serves every granularity (quant.py). Static scales are one set per layer,
 (L, 1, H|1, 1, G), and never move with a block. Hot pool: (2, L, NH, H, BS, D) K and V as is.
+
+Layers a spec skips (`skip=`) keep their own store pools at the model's dtype: a *group* is a list
+of layers sharing one storage format, and L above is the group's number of layers.
 """
 
 from __future__ import annotations
@@ -52,18 +55,21 @@ class StorePool:
         return PoolLayer(data, scale, zero, self.p)
 
 
-def make_store_pool(cfg: Config, p: QuantParams, num_blocks: int, block_size: int, name: str,
-                    static: dict[str, torch.Tensor] | None, device: torch.device) -> StorePool:
-    L, H, D = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
+def make_store_pool(cfg: Config, p: QuantParams, layers: list[int], num_blocks: int,
+                    block_size: int, name: str, static: dict[str, torch.Tensor] | None,
+                    device: torch.device) -> StorePool:
+    """The store pool of K or V (`name`) for `layers`; static scales come from the file's rows
+    of those layers."""
+    L, H, D = len(layers), cfg.n_kv_heads, cfg.head_dim
     shape = (L, num_blocks, H, block_size, D // p.per_byte)
     data = torch.zeros(shape, dtype=p.storage_dtype, device=device)
     if p.is_float:
         return StorePool(p, data, None, None)
     if p.static:  # one set per layer, shared by every block: (L, 1, H|1, 1, G)
-        scale = static[f"{name}_scale"].to(device, torch.float32).unsqueeze(1)
+        scale = static[f"{name}_scale"][layers].to(device, torch.float32).unsqueeze(1)
         zero = None
         if not p.sym:
-            zero = static[f"{name}_zero"].to(device, torch.float32).unsqueeze(1)
+            zero = static[f"{name}_zero"][layers].to(device, torch.float32).unsqueeze(1)
         return StorePool(p, data, scale, zero)
     scale_shape = (L, num_blocks, *p.scale_shape(H, block_size, D))
     scale = torch.ones(scale_shape, dtype=torch.float16, device=device)
@@ -74,6 +80,17 @@ def make_store_pool(cfg: Config, p: QuantParams, num_blocks: int, block_size: in
 StoreFn = Callable[..., "torch.Tensor | int"]  # the quantize_store_ref signature (kernels.py)
 
 
+@dataclass
+class LayerGroup:
+    """Layers stored in one format: their K and V store pools."""
+    layers: list[int]
+    k: StorePool
+    v: StorePool
+
+    def moving(self) -> list[torch.Tensor]:
+        return self.k.moving() + self.v.moving()
+
+
 class KVPools:
     """The store and hot pools of one cache, and the store kernel chosen when the cache was built."""
 
@@ -81,27 +98,54 @@ class KVPools:
                  device: torch.device, dtype: torch.dtype, static: dict[str, torch.Tensor] | None,
                  store_fn: StoreFn):
         self.store_fn = store_fn
-        self.k = make_store_pool(cfg, spec.k, num_blocks, block_size, "k", static, device)
-        self.v = make_store_pool(cfg, spec.v, num_blocks, block_size, "v", static, device)
         L, H, D = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
+        skipped = spec.skipped(L)
+        full = QuantParams(_FLOAT_NAMES[dtype])  # skipped layers: the model's dtype
+        formats = [([i for i in range(L) if i not in skipped], spec.k, spec.v),
+                   (sorted(skipped), full, full)]
+        self.groups = []
+        for layers, kp, vp in formats:
+            if not layers:
+                continue
+            k = make_store_pool(cfg, kp, layers, num_blocks, block_size, "k", static, device)
+            v = make_store_pool(cfg, vp, layers, num_blocks, block_size, "v", static, device)
+            self.groups.append(LayerGroup(layers, k, v))
+        self.where = {}  # layer -> (group, index of the layer within it)
+        for g in self.groups:
+            for local, layer in enumerate(g.layers):
+                self.where[layer] = (g, local)
         self.hot = torch.zeros(2, L, n_hot, H, block_size, D, dtype=dtype, device=device)  # K, V
-        hot_p = QuantParams(_FLOAT_NAMES[dtype])
-        self.hot_views = [(PoolLayer(self.hot[0, i], None, None, hot_p),
-                           PoolLayer(self.hot[1, i], None, None, hot_p)) for i in range(L)]
-        self.views = [(self.k.layer(i), self.v.layer(i)) for i in range(L)]  # made once
+        self.hot_views = [(PoolLayer(self.hot[0, i], None, None, full),
+                           PoolLayer(self.hot[1, i], None, None, full)) for i in range(L)]
+        self.views = []  # per layer (K, V) as kernels read them, made once
+        for layer in range(L):
+            g, local = self.where[layer]
+            self.views.append((g.k.layer(local), g.v.layer(local)))
         self.dtype = dtype
         self._saturated = torch.zeros((), dtype=torch.int64, device=device)  # counting needs no sync
 
     def moving(self) -> list[torch.Tensor]:
         """Store tensors (L, NB, ...) whose dim 1 is the block: what moves when a block moves."""
-        return self.k.moving() + self.v.moving()
+        return [t for g in self.groups for t in g.moving()]
+
+    def layer_rows(self, layer: int) -> list[tuple[int, int]]:
+        """(index into moving(), layer within that tensor) of the tensors that hold `layer`."""
+        g, local = self.where[layer]
+        first = 0
+        for other in self.groups:
+            if other is g:
+                break
+            first += len(other.moving())
+        return [(first + i, local) for i in range(len(g.moving()))]
 
     def layer(self, layer: int, moving: list[torch.Tensor] | None = None) -> tuple[PoolLayer, ...]:
-        """(K, V) of one layer of the store; `moving` (a staging buffer's tensors) replaces the pool's."""
+        """(K, V) of one layer of the store; `moving` (a staging buffer's rows, in layer_rows'
+        order) replaces the pool's own tensors."""
         if moving is None:
             return self.views[layer]
-        n_k = len(self.k.moving())
-        return self.k.layer(layer, moving[:n_k]), self.v.layer(layer, moving[n_k:])
+        g, local = self.where[layer]
+        n_k = len(g.k.moving())
+        return g.k.layer(local, moving[:n_k]), g.v.layer(local, moving[n_k:])
 
     @property
     def saturated(self) -> int:
@@ -135,20 +179,25 @@ class KVPools:
             t[:, dst] = t[:, src]
 
     def quantize_hot(self, hot_b: int, b: int) -> None:
-        """Quantize hot block hot_b, all layers at once, into store block b."""
-        for i, pool in enumerate((self.k, self.v)):
-            p = pool.p
-            x = self.hot[i, :, hot_b]  # (L, H, BS, D)
-            if p.static:
-                scale = pool.scale[:, 0]
-                zero = None if pool.zero is None else pool.zero[:, 0]
-            elif p.is_float:
-                scale = zero = None
-            else:
-                scale, zero = compute_scales(x, p)
-                pool.scale[:, b] = scale
-                if zero is not None:
-                    pool.zero[:, b] = zero
-            codes, n_sat = quantize(x, p, scale, zero, count=p.static)
-            pool.data[:, b] = codes
-            self._saturated += n_sat
+        """Quantize hot block hot_b, all layers of a group at once, into store block b."""
+        for g in self.groups:
+            for i, pool in enumerate((g.k, g.v)):
+                x = self.hot[i, g.layers, hot_b]  # (L, H, BS, D)
+                self._quantize_block(pool, x, b)
+
+    def _quantize_block(self, pool: StorePool, x: torch.Tensor, b: int) -> None:
+        """x (L, H, BS, D) into block b of pool."""
+        p = pool.p
+        if p.static:
+            scale = pool.scale[:, 0]
+            zero = None if pool.zero is None else pool.zero[:, 0]
+        elif p.is_float:
+            scale = zero = None
+        else:
+            scale, zero = compute_scales(x, p)
+            pool.scale[:, b] = scale
+            if zero is not None:
+                pool.zero[:, b] = zero
+        codes, n_sat = quantize(x, p, scale, zero, count=p.static)
+        pool.data[:, b] = codes
+        self._saturated += n_sat

@@ -1,0 +1,105 @@
+"""Storage options of the pools: `:rot` rotations and `skip=` layers, against plain attention."""
+
+import pytest
+import torch
+from test_cache import run_cached, tiny
+from test_offload import generate
+
+from tinykv.cache import make_cache
+from tinykv.calibrate import CalibrationError, calibrate, export_vllm
+from tinykv.quant import KVSpec, SpecError, compute_scales, dequantize, quantize, rotation_matrix
+
+
+@pytest.mark.parametrize("n", [16, 64, 80, 128])
+def test_rotation_is_orthogonal_and_seeded(n):
+    r = rotation_matrix(n, 7)
+    torch.testing.assert_close(r @ r.T, torch.eye(n), atol=1e-5, rtol=0)
+    assert torch.equal(r, rotation_matrix(n, 7)) and not torch.equal(r, rotation_matrix(n, 8))
+    if n & (n - 1) == 0:  # a randomized Hadamard: every entry +-1/sqrt(n)
+        torch.testing.assert_close(r.abs(), torch.full((n, n), n**-0.5), atol=1e-6, rtol=0)
+
+
+def test_rotation_spreads_an_outlier_channel():
+    """Keys with one channel 20x the rest: per-token int4 loses far less after rotating."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 64, 64, generator=g)  # (H, T, D)
+    x[..., 5] *= 20
+    p = KVSpec.parse("int4").k
+    r = rotation_matrix(64, 1)
+
+    def err(y: torch.Tensor) -> float:
+        s, z = compute_scales(y, p)
+        back = dequantize(quantize(y, p, s, z)[0], p, s, z)
+        return (back - y).norm().item() / y.norm().item()
+    assert err(x @ r) < 0.5 * err(x)
+
+
+@pytest.mark.parametrize("spec", ["fp32:rot", "k=fp32:rot,v=fp32", "k=fp32,v=fp32:rot"])
+def test_rotation_with_exact_storage_changes_nothing(spec):
+    """q R . k R = q . k and (p v R) R^T = p v: a rotated fp32 cache equals no cache."""
+    m = tiny()
+    toks = torch.randint(0, 128, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    got = run_cached(m, make_cache(m.cfg, spec, blocks=16, block_size=8), {0: toks}, chunk=5)[0]
+    torch.testing.assert_close(got, m(torch.tensor([toks]))[0], atol=1e-4, rtol=1e-4)
+
+
+def test_rotation_changes_what_is_stored():
+    m = tiny()
+    toks = list(range(1, 30))
+    plain = run_cached(m, make_cache(m.cfg, "int4", blocks=16, block_size=8), {0: toks}, chunk=4)[0]
+    rot = run_cached(m, make_cache(m.cfg, "int4:rot", blocks=16, block_size=8), {0: toks}, chunk=4)[0]
+    assert not torch.allclose(plain, rot)  # the rotation really reaches the stored codes
+
+
+def test_skipped_layers_are_exact_and_sized():
+    m = tiny()  # 2 layers, model dtype float32
+    toks = torch.randint(0, 128, (40,), generator=torch.Generator().manual_seed(2)).tolist()
+    ref = m(torch.tensor([toks]))[0]
+    all_skipped = make_cache(m.cfg, "int4,skip=0:-1", blocks=16, block_size=8)
+    got = run_cached(m, all_skipped, {0: toks}, chunk=5)[0]
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    one = make_cache(m.cfg, "int4,skip=-1", blocks=16, block_size=8)
+    H, D = m.cfg.n_kv_heads, m.cfg.head_dim
+    int4_layer = 2 * (H * D / 2 + H * 2)  # K and V: packed codes and an fp16 scale per head
+    assert one.bytes_per_token == int4_layer + 2 * H * D * 4
+    assert one.bytes_per_token < make_cache(m.cfg, "fp32", blocks=16).bytes_per_token
+    err_one = (run_cached(m, one, {0: toks}, chunk=5)[0] - ref).abs().max()
+    err_none = (run_cached(m, make_cache(m.cfg, "int4", blocks=16, block_size=8), {0: toks},
+                           chunk=5)[0] - ref).abs().max()
+    assert 0 < err_one < err_none
+
+
+def test_skip_outside_the_model_is_an_error():
+    m = tiny()
+    with pytest.raises(SpecError, match="skip=2"):
+        make_cache(m.cfg, "int8,skip=2", blocks=4)
+    with pytest.raises(SpecError, match="skip=-3"):
+        make_cache(m.cfg, "int8,skip=-3", blocks=4)
+
+
+def test_skipped_layers_offload_like_the_rest():
+    """Blocks of both storage groups move to the host tier and come back: the same tokens."""
+    m = tiny()
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (150, 90)]
+    want, want_logits, _ = generate(m, "int4:rot,skip=0", prompts, num_blocks=64)
+    got, logits, cache = generate(m, "int4:rot,skip=0", prompts, num_blocks=8, host_blocks=64,
+                                  stage_blocks=5)
+    assert cache.offload_stats()["blocks_read_staged"] > 0
+    assert got == want
+    torch.testing.assert_close(logits, want_logits, atol=1e-5, rtol=1e-5)
+
+
+def test_static_scales_of_a_rotated_spec():
+    m = tiny()
+    toks = torch.randint(0, 128, (64,), generator=torch.Generator().manual_seed(3)).tolist()
+    spec = KVSpec.parse("int8:head:static:rot")
+    scales = calibrate(m, toks, spec, window=64)
+    plain = calibrate(m, toks, KVSpec.parse("int8:head:static"), window=64)
+    assert not torch.allclose(scales["k_scale"], plain["k_scale"])  # observed after rotating
+    cache = make_cache(m.cfg, spec, blocks=16, block_size=8, scales=scales)
+    got = run_cached(m, cache, {0: toks}, chunk=8)[0]
+    ref = m(torch.tensor([toks]))[0]
+    assert cache.saturated == 0 and (got - ref).abs().max() < 0.05
+    with pytest.raises(CalibrationError, match="rotation"):
+        export_vllm(scales, spec, "/nonexistent/never-written.safetensors")
