@@ -358,6 +358,8 @@ def make_cache(cfg: Config, spec: KVSpec | str, *, tokens: int | None = None,
     n_hot = hot_blocks(spec, block_size, max_seqs, max_step_tokens)
     hot_bytes = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * block_size * dtype.itemsize
     _check_memory(blocks * per_block + n_hot * hot_bytes, device)
+    if offload is not None and offload.host_blocks:  # the host tier lives in CPU memory
+        _check_memory(offload.host_blocks * per_block, torch.device("cpu"))
     kernels = select_kernels(attention, device)
     return PagedKVCache(cfg, spec, blocks, block_size, kernels, max_seqs, max_step_tokens,
                         device, dtype, scales, offload)
