@@ -66,3 +66,9 @@ class SeqState:
     tokens: list[int] = field(default_factory=list)  # token ids written so far
     done: int = 0  # leading blocks that are final: quantized into the store (or sinks)
     last_hash: int | None = 0  # hash of the token prefix up to block `done` (chains block hashes)
+    evicted: int = 0  # tokens dropped by eviction: slots in the cache = len(tokens) - evicted
+
+    @property
+    def slots(self) -> int:
+        """Cache slots in use: slot i of logical block j is slot j * block_size + i."""
+        return len(self.tokens) - self.evicted

@@ -18,14 +18,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import kernels_triton
+from . import evict, kernels_triton
 from .blocks import DISK, HOST, HOT, STORE, PoolExhausted
-from .kernels import merge_partials, paged_attention_ref, quantize_store_ref
+from .kernels import gather_dequant, merge_partials, paged_attention_ref, quantize_store_ref
 from .model import Config
 from .offload import OffloadConfig, Offloader
 from .pools import KVPools
 from .quant import KVSpec, bytes_per_token, layer_rotations
-from .tables import BlockTables
+from .tables import BlockTables, Slots
 
 __all__ = ["CacheError", "Kernels", "PagedKVCache", "Plan", "PoolExhausted", "make_cache",
            "select_kernels"]
@@ -82,13 +82,15 @@ class Plan:
     values, then attends over everything the step's sequences have cached."""
     cache: PagedKVCache
     seq_ids: list[int]
-    positions: torch.Tensor  # (N,) absolute position of every packed token
+    positions: torch.Tensor  # (N,) absolute position of every packed token (RoPE)
+    q_slots: torch.Tensor  # (N,) its slot in the cache: it attends to slots <= this one
     q_seq: torch.Tensor  # (N,) row of the sequence each token belongs to
-    ctx_lens: torch.Tensor  # (B,) sequence lengths after this step
+    ctx_lens: torch.Tensor  # (B,) slots each sequence holds after this step
     tables: dict[int, torch.Tensor]  # pool -> (B, MB) block ids, -1 where a block is elsewhere
     slots: dict[int, tuple]  # pool -> (token index (a slice for all), block, offset) tensors
     logits_idx: torch.Tensor | None  # packed rows whose logits are wanted (None: all)
     offload_chunks: list = field(default_factory=list)  # staged chunks of offloaded blocks
+    n_new: list[int] = field(default_factory=list)  # tokens each sequence feeds this step
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (N, Hq, D), k, v (N, H, D) -> o (N, Hq, D).
@@ -104,6 +106,8 @@ class Plan:
             v = v @ rv
         self.cache.pools.write(layer, k, v, self.slots)
         o = self.cache.attend(layer, q, self)  # (N, Hq, D)
+        if self.cache.spec.evict in ("snapkv", "h2o"):  # policies that score by attention
+            self.cache.observe(layer, q, self)
         if rv is not None:
             o = o @ rv.T  # sum p (v R) = (sum p v) R
         return o
@@ -131,12 +135,13 @@ class PagedKVCache:
             self.offload = Offloader(self.pools.moving(), off, self.device,
                                      self.pools.layer_rows)
         self.sm_scale = 1.0 / math.sqrt(cfg.head_dim)
+        self.scores: dict[int, torch.Tensor] = {}  # eviction: attention received (L, H, slots)
         self.rotations = []  # per layer (R_k, R_v), each (D, D) or None
         for rk, rv in layer_rotations(spec, cfg.n_layers, cfg.head_dim):
             self.rotations.append(tuple(None if r is None else r.to(self.device, dtype)
                                         for r in (rk, rv)))
 
-    # ---- lifetime ---------------------------------------------------------------------------------
+    # ---- lifetime -------------------------------------------------------------------------------
     def close(self) -> None:
         """Release the offload tiers (the disk tier's file is deleted)."""
         if self.offload is not None:
@@ -148,7 +153,7 @@ class PagedKVCache:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # ---- memory -----------------------------------------------------------------------------------
+    # ---- memory ---------------------------------------------------------------------------------
     @property
     def num_blocks(self) -> int:
         return self.pools.groups[0].k.data.shape[1]
@@ -187,7 +192,7 @@ class PagedKVCache:
         out["disk_blocks_used"] = self.tables.used_blocks(DISK) if DISK in self.tables.alloc else 0
         return out
 
-    # ---- sequences (tables.py) --------------------------------------------------------------------
+    # ---- sequences (tables.py) ------------------------------------------------------------------
     def add_sequence(self, seq_id: int, prompt: list[int] | None = None) -> int:
         """Start a sequence; returns how many prompt tokens are already cached (shared prefix)."""
         return self.tables.add_sequence(seq_id, prompt)
@@ -197,9 +202,14 @@ class PagedKVCache:
 
     def free(self, seq_id: int) -> None:
         self.tables.free(seq_id)
+        self.scores.pop(seq_id, None)
 
     def length(self, seq_id: int) -> int:
         return len(self.tables.seqs[seq_id].tokens)
+
+    def slots(self, seq_id: int) -> int:
+        """Cache slots a sequence holds: its length less what eviction dropped."""
+        return self.tables.seqs[seq_id].slots
 
     def has(self, seq_id: int) -> bool:
         return seq_id in self.tables.seqs
@@ -214,10 +224,10 @@ class PagedKVCache:
         return self.tables.free_everywhere()
 
     def swap_out(self, seq_id: int) -> bool:
-        """Preempt by moving a sequence's blocks to the offload tiers; False where they lack room."""
+        """Preempt by moving a sequence's blocks to the offload tiers; False if they lack room."""
         return self.tables.swap_out(seq_id)
 
-    # ---- BlockData: what the tables ask of the tensors -------------------------------------------
+    # ---- BlockData: what the tables ask of the tensors ------------------------------------------
     def copy_block(self, src_tier: int, src: int, dst_tier: int, dst: int) -> None:
         if src_tier == dst_tier:
             self.pools.copy_within(src_tier, src, dst)
@@ -227,7 +237,7 @@ class PagedKVCache:
     def quantize_hot(self, hot_block: int, store_block: int) -> None:
         self.pools.quantize_hot(hot_block, store_block)
 
-    # ---- one step ---------------------------------------------------------------------------------
+    # ---- one step -------------------------------------------------------------------------------
     def plan(self, seq_ids: list[int], new_tokens: list[list[int]],
              logits: str | list[int] = "last") -> Plan:
         """Slots for each sequence's new tokens, and the step's metadata as tensors.
@@ -246,24 +256,35 @@ class PagedKVCache:
             entries = self.tables.placed(seq_ids, tiers)
             chunks = self.offload.plan_chunks(entries, len(seq_ids), tables[STORE].shape[1],
                                               one_pass)
-        lens = [len(self.tables.seqs[s].tokens) for s in seq_ids]
+        lens = [self.tables.seqs[s].slots for s in seq_ids]
         last = torch.cumsum(torch.tensor([len(t) for t in new_tokens]), 0) - 1  # (B,)
         logits_idx = None
         if logits == "last":
             logits_idx = last.to(dev)
         elif logits != "all":
             logits_idx = last[logits].to(dev)
-        step_slots = {}
+        step_slots = self._step_slots(slots)
+        if self.spec.evict in ("snapkv", "h2o"):
+            self._prepare_scores(seq_ids, [len(t) for t in new_tokens])
+        positions = _index(slots.positions, dev)
+        q_slots = positions
+        if slots.q_slots != slots.positions:  # evicted tokens: slots lag positions
+            q_slots = _index(slots.q_slots, dev)
+        return Plan(self, list(seq_ids), positions, q_slots,
+                    torch.tensor(slots.q_seq, dtype=torch.int32, device=dev),
+                    torch.tensor(lens, dtype=torch.int32, device=dev), tables, step_slots,
+                    logits_idx, chunks, [len(t) for t in new_tokens])
+
+    def _step_slots(self, slots: Slots) -> dict[int, tuple]:
+        """pool -> (token index (a slice when all go there), block ids, offsets) as tensors."""
+        out = {}
         for pool, (idx, blk, off) in slots.rows.items():
             if not idx:
                 continue
             all_here = len(idx) == slots.n_tokens  # every token goes to one pool: no gather
-            step_slots[pool] = (slice(None) if all_here else _index(idx, dev), _index(blk, dev),
-                                _index(off, dev))
-        return Plan(self, list(seq_ids), _index(slots.positions, dev),
-                    torch.tensor(slots.q_seq, dtype=torch.int32, device=dev),
-                    torch.tensor(lens, dtype=torch.int32, device=dev), tables, step_slots,
-                    logits_idx, chunks)
+            first = slice(None) if all_here else _index(idx, self.device)
+            out[pool] = (first, _index(blk, self.device), _index(off, self.device))
+        return out
 
     def _table(self, seq_ids: list[int], tier: int) -> torch.Tensor:
         rows = self.tables.table_rows(seq_ids, tier)
@@ -289,12 +310,102 @@ class PagedKVCache:
 
     def _attend_pool(self, q, plan: Plan, k, v, table) -> tuple[torch.Tensor, torch.Tensor]:
         """(o, lse) of the queries over one pool's blocks `table` (B, MB)."""
-        return self.kernels.attend(q, plan.q_seq, plan.positions, k, v, table, plan.ctx_lens,
+        return self.kernels.attend(q, plan.q_seq, plan.q_slots, k, v, table, plan.ctx_lens,
                                    self.sm_scale)
 
     def commit(self, plan: Plan) -> None:
-        """After a forward step: quantize hot blocks that no longer need full precision; hash."""
+        """After a forward step: quantize hot blocks that no longer need full precision; hash;
+        compact sequences over their eviction budget."""
         self.tables.commit(plan.seq_ids)
+        if not self.spec.evict:
+            return
+        for sid, n_new in zip(plan.seq_ids, plan.n_new):
+            slots = self.tables.seqs[sid].slots
+            if slots <= self.spec.budget:
+                continue
+            prompt_chunk = self.spec.evict == "snapkv" and n_new > 1
+            if prompt_chunk or evict.over_budget(self.spec.evict, slots, self.spec.budget, self.bs):
+                self.compact(sid)
+
+    # ---- eviction (evict.py) --------------------------------------------------------------------
+    def seq_kv(self, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A sequence's keys and values as stored, dequantized: (L, H, slots, D) each, float32.
+        Offloaded blocks come back to the device first."""
+        st = self.tables.seqs[seq_id]
+        for j, (tier, b) in enumerate(st.blocks):
+            if tier in (HOST, DISK):
+                self.tables.move(tier, b, STORE)
+        tables = {tier: self._table([seq_id], tier) for tier in (STORE, HOT) if
+                  tier == STORE or self.n_hot}
+        out = []
+        for i in range(2):  # K, V
+            layers = []
+            for layer in range(self.cfg.n_layers):
+                layers.append(self._layer_kv(layer, i, tables))
+            out.append(torch.stack(layers)[..., :st.slots, :])  # (L, H, slots, D)
+        return out[0], out[1]
+
+    def _layer_kv(self, layer: int, i: int, tables: dict[int, torch.Tensor]) -> torch.Tensor:
+        """K (i=0) or V (i=1) of one layer of one sequence (tables (1, MB) per pool): (H, S, D)."""
+        x = gather_dequant(self.pools.layer(layer)[i], tables[STORE])[0]  # (H, S, D)
+        if HOT in tables:
+            hot = gather_dequant(self.pools.hot_views[layer][i], tables[HOT])[0]
+            in_hot = (tables[HOT][0] >= 0).repeat_interleave(self.bs)  # (S,)
+            x = torch.where(in_hot[None, :, None], hot, x)
+        return x
+
+    def compact(self, seq_id: int) -> None:
+        """Keep the spec's budget of tokens per layer and KV head; free the rest's blocks."""
+        spec, st = self.spec, self.tables.seqs[seq_id]
+        k, v = self.seq_kv(seq_id)  # (L, H, n, D)
+        L, H, n, D = k.shape
+        score = self.scores.get(seq_id)
+        if score is not None:
+            score = score[..., :n]
+        keep = evict.select(spec.evict, n, spec.budget, spec.sink, spec.residual, keys=k,
+                            score=score).expand(L, H, -1)  # (L, H, budget)
+        idx = keep[..., None].expand(-1, -1, -1, D)
+        k, v = k.gather(2, idx), v.gather(2, idx)  # (L, H, budget, D)
+        slots = self.tables.rewrite(seq_id, spec.budget)
+        step = self._step_slots(slots)
+        for layer in range(L):
+            self.pools.write(layer, k[layer].transpose(0, 1), v[layer].transpose(0, 1), step)
+        self.tables.commit([seq_id])
+        if score is not None:
+            self.scores[seq_id] = score.gather(-1, keep)
+        assert st.slots == spec.budget
+
+    def observe(self, layer: int, q: torch.Tensor, plan: Plan) -> None:
+        """Attention each cached slot receives from this step's queries, per sequence and KV
+        head: accumulated for h2o; for snapkv, from a prompt chunk's last queries."""
+        start = 0
+        for row, (sid, n_new) in enumerate(zip(plan.seq_ids, plan.n_new)):
+            rows = slice(start, start + n_new)
+            start += n_new
+            if self.spec.evict == "snapkv" and n_new == 1:
+                continue  # decoding appends as usual
+            if self.spec.evict == "snapkv":
+                rows = slice(max(rows.start, rows.stop - evict.WINDOW), rows.stop)
+            n = int(plan.ctx_lens[row])
+            tables = {tier: t[row:row + 1] for tier, t in plan.tables.items()}
+            keys = self._layer_kv(layer, 0, tables)[:, :n]  # (H, n, D)
+            got = evict.attention_received(q[rows], plan.q_slots[rows], keys, self.sm_scale)
+            self.scores[sid][layer, :, :n] += got  # (H, n)
+
+    def _prepare_scores(self, seq_ids: list[int], n_new: list[int]) -> None:
+        """Room in the score buffers for this step's slots: snapkv scores each prompt chunk
+        afresh, h2o keeps adding up."""
+        for sid, n in zip(seq_ids, n_new):
+            slots = self.tables.seqs[sid].slots
+            old = self.scores.get(sid)
+            if self.spec.evict == "snapkv" and n == 1:
+                continue
+            if self.spec.evict == "snapkv" or old is None or old.shape[-1] < slots:
+                H = self.cfg.n_kv_heads
+                fresh = torch.zeros(self.cfg.n_layers, H, 2 * slots, device=self.device)
+                if old is not None and self.spec.evict == "h2o":
+                    fresh[..., :old.shape[-1]] = old
+                self.scores[sid] = fresh
 
 
 def _index(x: list[int], device: torch.device) -> torch.Tensor:
@@ -341,8 +452,9 @@ def make_cache(cfg: Config, spec: KVSpec | str, *, tokens: int | None = None,
     if block_size < 1:
         raise CacheError(f"block size {block_size} must be >= 1")
     spec.skipped(cfg.n_layers)  # a skip= outside the model is a SpecError here
-    if spec.evict:
-        raise CacheError("evict= is not available yet")
+    if spec.evict and spec.budget < spec.sink + spec.residual + 1:
+        raise CacheError(f"evict budget {spec.budget} must exceed sink + residual "
+                         f"({spec.sink + spec.residual}): they count against it")
     if sum(x is not None for x in (tokens, blocks, budget_bytes)) != 1:
         raise CacheError("size the cache by exactly one of tokens, blocks or budget_bytes")
     per_block = block_bytes(cfg, spec, block_size, dtype)

@@ -33,9 +33,10 @@ class BlockData(Protocol):
 
 @dataclass
 class Slots:
-    """Where one step's new tokens go, per pool: packed token index, block id, offset in the block."""
+    """Where one step's new tokens go, per pool: packed token index, block id, offset in it."""
     rows: dict[int, tuple[list[int], list[int], list[int]]]
-    positions: list[int]  # absolute position of every packed token
+    positions: list[int]  # absolute position of every packed token (RoPE)
+    q_slots: list[int]  # its cache slot: it sees the slots up to this one (= position unevicted)
     q_seq: list[int]  # row (sequence) of every packed token
     n_tokens: int
 
@@ -59,7 +60,7 @@ class BlockTables:
         self.step = 0
         self.counts: Counter = Counter()  # blocks moved between tiers
 
-    # ---- sizes ------------------------------------------------------------------------------------
+    # ---- sizes ----------------------------------------------------------------------------------
     def free_blocks(self, tier: int = STORE) -> int:
         return len(self.alloc[tier].free)
 
@@ -72,12 +73,12 @@ class BlockTables:
 
     def blocks_needed(self, seq_id: int, n_new: int) -> int:
         """Store blocks a step of n_new tokens may allocate (upper bound, for the scheduler)."""
-        n = len(self.seqs[seq_id].tokens) if seq_id in self.seqs else 0
+        n = self.seqs[seq_id].slots if seq_id in self.seqs else 0
         return math.ceil((n + n_new) / self.bs) - n // self.bs + 1
 
-    # ---- sequences --------------------------------------------------------------------------------
+    # ---- sequences ------------------------------------------------------------------------------
     def add_sequence(self, seq_id: int, prompt: list[int] | None = None) -> int:
-        """Start a sequence; returns how many prompt tokens are already cached (shared prefix blocks)."""
+        """Start a sequence; returns how many prompt tokens are already cached (shared prefix)."""
         if seq_id in self.seqs:
             raise ValueError(f"sequence {seq_id} exists")
         st = self.seqs[seq_id] = SeqState()
@@ -105,7 +106,7 @@ class BlockTables:
         s = self.seqs[src]
         for tier, b in s.blocks:
             self.alloc[tier].incref(b)
-        self.seqs[dst] = SeqState(list(s.blocks), list(s.tokens), s.done, s.last_hash)
+        self.seqs[dst] = SeqState(list(s.blocks), list(s.tokens), s.done, s.last_hash, s.evicted)
 
     def free(self, seq_id: int) -> None:
         for tier, b in self.seqs.pop(seq_id).blocks:
@@ -121,21 +122,22 @@ class BlockTables:
             return HOT
         return STORE
 
-    # ---- one step ---------------------------------------------------------------------------------
+    # ---- one step -------------------------------------------------------------------------------
     def assign(self, seq_ids: list[int], new_tokens: list[list[int]]) -> Slots:
-        """Give every new token a slot: allocate blocks, bring a written block home, copy it if shared.
+        """Give every new token a slot: allocate blocks, bring a written block home, copy it if
+        shared.
         Raises PoolExhausted, having changed nothing, when the step (and its commit) may not fit."""
         self._check_room(seq_ids, new_tokens)
         self._note_step(seq_ids)
         rows: dict[int, tuple[list[int], list[int], list[int]]] = {STORE: ([], [], []),
                                                                      HOT: ([], [], [])}
-        positions, q_seq, n = [], [], 0
+        positions, q_slots, q_seq, n = [], [], [], 0
         for row, (sid, toks) in enumerate(zip(seq_ids, new_tokens)):
             st = self.seqs[sid]
-            start = len(st.tokens)
+            start = st.slots
             for i in range(len(toks)):
-                pos = start + i
-                j, off = divmod(pos, self.bs)
+                slot = start + i
+                j, off = divmod(slot, self.bs)
                 if j == len(st.blocks):
                     tier = self._first_tier(j)
                     st.blocks.append((tier, self.alloc[tier].alloc(TIER_NAMES[tier])))
@@ -145,12 +147,13 @@ class BlockTables:
                 rows[tier][0].append(n)
                 rows[tier][1].append(b)
                 rows[tier][2].append(off)
-                positions.append(pos)
+                positions.append(len(st.tokens) + i)
+                q_slots.append(slot)
                 q_seq.append(row)
                 n += 1
             st.tokens += toks
         self.peak_blocks = max(self.peak_blocks, self.used_blocks())
-        return Slots(rows, positions, q_seq, n)
+        return Slots(rows, positions, q_slots, q_seq, n)
 
     def _make_writable(self, st: SeqState, j: int) -> None:
         tier, b = st.blocks[j]
@@ -167,7 +170,7 @@ class BlockTables:
         need = {STORE: 0, HOT: 0}
         for sid, toks in zip(seq_ids, new_tokens):
             st = self.seqs[sid]
-            n0, n1 = len(st.tokens), len(st.tokens) + len(toks)
+            n0, n1 = st.slots, st.slots + len(toks)
             if n0 % self.bs and st.blocks:  # copy-on-write of a shared tail block, or its swap-in
                 tier, b = st.blocks[-1]
                 shared_or_away = self.alloc[tier].ref[b] > 1 or tier in (HOST, DISK)
@@ -178,7 +181,8 @@ class BlockTables:
                 else:
                     tier = self._first_tier(j)
                     need[tier] += 1
-                # commit will quantize this hot block into the store: full, no sink, out of the window
+                # commit will quantize this hot block into the store: full, no sink, out of
+                # the window
                 full_and_old = (j + 1) * self.bs <= n1 - self.residual
                 need[STORE] += tier == HOT and j >= self.sink_blocks and full_and_old
         if HOST in self.alloc and need[STORE] > self.free_blocks():
@@ -203,10 +207,10 @@ class BlockTables:
         return rows
 
     def commit(self, seq_ids: list[int]) -> None:
-        """After a step: quantize hot blocks that no longer need full precision; hash full blocks."""
+        """After a step: quantize hot blocks that need full precision no more; hash full blocks."""
         for sid in seq_ids:
             st = self.seqs[sid]
-            n = len(st.tokens)
+            n = st.slots
             while st.done < n // self.bs:  # blocks become final in order, oldest first
                 j = st.done
                 tier, b = st.blocks[j]
@@ -217,7 +221,7 @@ class BlockTables:
                 if j < self.sink_blocks:
                     continue  # sinks stay in full precision for good
                 h = None
-                if not self.sink_blocks:
+                if not self.sink_blocks and not st.evicted:  # an evicted block is no prefix
                     h = hash((st.last_hash, tuple(st.tokens[j * self.bs:(j + 1) * self.bs])))
                 if tier == HOT:
                     st.blocks[j] = (STORE, self._to_store(b, h))
@@ -239,7 +243,20 @@ class BlockTables:
         self.alloc[HOT].decref(hot_b)
         return b
 
-    # ---- offload policy ---------------------------------------------------------------------------
+    def rewrite(self, seq_id: int, n: int) -> Slots:
+        """Eviction: the sequence gives up every block and gets fresh slots 0..n-1 for the n
+        tokens it keeps (the caller stores them); its other tokens count as evicted."""
+        st = self.seqs[seq_id]
+        for tier, b in st.blocks:
+            self.alloc[tier].decref(b)
+        tokens = st.tokens
+        st.blocks, st.tokens, st.done, st.last_hash, st.evicted = [], [], 0, None, 0
+        slots = self.assign([seq_id], [[0] * n])
+        st.tokens = tokens
+        st.evicted = len(tokens) - n
+        return slots
+
+    # ---- offload policy -------------------------------------------------------------------------
     def _note_step(self, seq_ids: list[int]) -> None:
         self.step += 1
         for s in seq_ids:
@@ -289,7 +306,7 @@ class BlockTables:
             self._move_down(b)
 
     def swap_out(self, seq_id: int) -> bool:
-        """Preemption by swapping: all of a sequence's own device blocks move down, if there is room."""
+        """Preemption by swapping: a sequence's own device blocks all move down, if there is room."""
         if HOST not in self.alloc:
             return False
         store = self.alloc[STORE]
@@ -303,7 +320,8 @@ class BlockTables:
         return True
 
     def _raise_full(self) -> None:
-        tiers = ", ".join(f"{TIER_NAMES[t]} {len(a.ref)}" for t, a in self.alloc.items() if t != HOT)
+        sizes = [f"{TIER_NAMES[t]} {len(a.ref)}" for t, a in self.alloc.items() if t != HOT]
+        tiers = ", ".join(sizes)
         raise PoolExhausted(f"KV cache full on every tier (blocks: {tiers}); raise --device-blocks "
                             "or --host-blocks", None)
 
