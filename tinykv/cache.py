@@ -91,6 +91,7 @@ class Plan:
     logits_idx: torch.Tensor | None  # packed rows whose logits are wanted (None: all)
     offload_chunks: list = field(default_factory=list)  # staged chunks of offloaded blocks
     n_new: list[int] = field(default_factory=list)  # tokens each sequence feeds this step
+    sampled: list[bool] = field(default_factory=list)  # whose last token's logits are wanted
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (N, Hq, D), k, v (N, H, D) -> o (N, Hq, D).
@@ -259,10 +260,12 @@ class PagedKVCache:
         lens = [self.tables.seqs[s].slots for s in seq_ids]
         last = torch.cumsum(torch.tensor([len(t) for t in new_tokens]), 0) - 1  # (B,)
         logits_idx = None
+        sampled = [True] * len(seq_ids)
         if logits == "last":
             logits_idx = last.to(dev)
         elif logits != "all":
             logits_idx = last[logits].to(dev)
+            sampled = [row in set(logits) for row in range(len(seq_ids))]
         step_slots = self._step_slots(slots)
         if self.spec.evict in ("snapkv", "h2o"):
             self._prepare_scores(seq_ids, [len(t) for t in new_tokens])
@@ -273,7 +276,7 @@ class PagedKVCache:
         return Plan(self, list(seq_ids), positions, q_slots,
                     torch.tensor(slots.q_seq, dtype=torch.int32, device=dev),
                     torch.tensor(lens, dtype=torch.int32, device=dev), tables, step_slots,
-                    logits_idx, chunks, [len(t) for t in new_tokens])
+                    logits_idx, chunks, [len(t) for t in new_tokens], sampled)
 
     def _step_slots(self, slots: Slots) -> dict[int, tuple]:
         """pool -> (token index (a slice when all go there), block ids, offsets) as tensors."""
@@ -319,11 +322,12 @@ class PagedKVCache:
         self.tables.commit(plan.seq_ids)
         if not self.spec.evict:
             return
-        for sid, n_new in zip(plan.seq_ids, plan.n_new):
+        for sid, n_new, sampled in zip(plan.seq_ids, plan.n_new, plan.sampled):
             slots = self.tables.seqs[sid].slots
             if slots <= self.spec.budget:
                 continue
-            prompt_chunk = self.spec.evict == "snapkv" and n_new > 1
+            # snapkv compacts once a prompt is in: its last queries are the question
+            prompt_chunk = self.spec.evict == "snapkv" and n_new > 1 and sampled
             if prompt_chunk or evict.over_budget(self.spec.evict, slots, self.spec.budget, self.bs):
                 self.compact(sid)
 
@@ -382,8 +386,8 @@ class PagedKVCache:
         for row, (sid, n_new) in enumerate(zip(plan.seq_ids, plan.n_new)):
             rows = slice(start, start + n_new)
             start += n_new
-            if self.spec.evict == "snapkv" and n_new == 1:
-                continue  # decoding appends as usual
+            if self.spec.evict == "snapkv" and (n_new == 1 or not plan.sampled[row]):
+                continue  # decoding appends as usual; a prompt is scored at its end
             if self.spec.evict == "snapkv":
                 rows = slice(max(rows.start, rows.stop - evict.WINDOW), rows.stop)
             n = int(plan.ctx_lens[row])
@@ -399,7 +403,7 @@ class PagedKVCache:
             slots = self.tables.seqs[sid].slots
             old = self.scores.get(sid)
             if self.spec.evict == "snapkv" and n == 1:
-                continue
+                continue  # scores are made only for prompt chunks
             if self.spec.evict == "snapkv" or old is None or old.shape[-1] < slots:
                 H = self.cfg.n_kv_heads
                 fresh = torch.zeros(self.cfg.n_layers, H, 2 * slots, device=self.device)
@@ -463,6 +467,8 @@ def make_cache(cfg: Config, spec: KVSpec | str, *, tokens: int | None = None,
         if blocks < 1:
             raise CacheError(f"a KV budget of {budget_bytes} bytes holds no block of {block_size} "
                              f"tokens ({per_block:.0f} bytes under '{spec}')")
+    if blocks is None and spec.evict not in ("", "snapkv"):  # a budget, a block, a step at most
+        tokens = min(tokens, max_seqs * (spec.budget + 2 * block_size) + max_step_tokens)
     if blocks is None:
         blocks = max(8, math.ceil(tokens / block_size) + 2 * max_seqs)
     if blocks < 1:
