@@ -21,7 +21,8 @@ def fill(cache, sid: int, n: int, chunk: int = 8, seed: int = 0) -> torch.Tensor
     the model would; returns every written key (L, H, n, D) in order."""
     g = torch.Generator().manual_seed(seed)
     H, D, Hq = CFG.n_kv_heads, CFG.head_dim, CFG.n_heads
-    keys = torch.randn(CFG.n_layers, n, H, D, generator=g) * (1 + 3 * torch.rand(n, 1, 1, generator=g))
+    spread = 1 + 3 * torch.rand(n, 1, 1, generator=g)  # keys of different norms
+    keys = torch.randn(CFG.n_layers, n, H, D, generator=g) * spread
     cache.add_sequence(sid)
     for s in range(0, n, chunk):
         m = min(chunk, n - s)

@@ -47,7 +47,8 @@ def test_rotation_changes_what_is_stored():
     m = tiny()
     toks = list(range(1, 30))
     plain = run_cached(m, make_cache(m.cfg, "int4", blocks=16, block_size=8), {0: toks}, chunk=4)[0]
-    rot = run_cached(m, make_cache(m.cfg, "int4:rot", blocks=16, block_size=8), {0: toks}, chunk=4)[0]
+    rotated = make_cache(m.cfg, "int4:rot", blocks=16, block_size=8)
+    rot = run_cached(m, rotated, {0: toks}, chunk=4)[0]
     assert not torch.allclose(plain, rot)  # the rotation really reaches the stored codes
 
 

@@ -23,7 +23,8 @@ class PoolExhausted(RuntimeError):
 
 
 class Allocator:
-    """Free list + reference counts over block ids; freed blocks stay findable by hash until reused."""
+    """Free list + reference counts over block ids; a freed block stays findable by hash until it
+    is reused."""
 
     def __init__(self, n: int):
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(n))
@@ -33,8 +34,10 @@ class Allocator:
 
     def alloc(self, what: str) -> int:
         if not self.free:
-            raise PoolExhausted(f"KV block pool exhausted: all {len(self.ref)} {what} blocks are in use", None)
-        b, _ = self.free.popitem(last=False)  # oldest freed first: recently freed prefixes live longer
+            raise PoolExhausted(f"KV block pool exhausted: all {len(self.ref)} {what} blocks are "
+                                "in use", None)
+        # oldest freed first: recently freed prefixes stay findable longer
+        b, _ = self.free.popitem(last=False)
         self.forget(b)
         self.ref[b] = 1
         return b
@@ -62,7 +65,7 @@ class Allocator:
 
 @dataclass
 class SeqState:
-    blocks: list[tuple[int, int]] = field(default_factory=list)  # (pool, block id) per logical block
+    blocks: list[tuple[int, int]] = field(default_factory=list)  # (tier, block) per logical block
     tokens: list[int] = field(default_factory=list)  # token ids written so far
     done: int = 0  # leading blocks that are final: quantized into the store (or sinks)
     last_hash: int | None = 0  # hash of the token prefix up to block `done` (chains block hashes)

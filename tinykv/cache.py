@@ -119,7 +119,7 @@ class PagedKVCache:
 
     def __init__(self, cfg: Config, spec: KVSpec, num_blocks: int, block_size: int,
                  kernels: Kernels, max_seqs: int = 16, max_step_tokens: int = 512,
-                 device: torch.device = torch.device("cpu"), dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                  scales: dict[str, torch.Tensor] | None = None,
                  offload: OffloadConfig | None = None):
         self.cfg, self.spec, self.bs, self.kernels = cfg, spec, block_size, kernels
@@ -336,7 +336,7 @@ class PagedKVCache:
         """A sequence's keys and values as stored, dequantized: (L, H, slots, D) each, float32.
         Offloaded blocks come back to the device first."""
         st = self.tables.seqs[seq_id]
-        for j, (tier, b) in enumerate(st.blocks):
+        for tier, b in st.blocks:
             if tier in (HOST, DISK):
                 self.tables.move(tier, b, STORE)
         tables = {tier: self._table([seq_id], tier) for tier in (STORE, HOT) if

@@ -1,6 +1,6 @@
-"""The tensors of the paged KV cache: the store pool, in the spec's storage format, and the hot pool,
-in full precision, with the two ways data enters them (quantize new tokens on store, quantize a
-finished hot block) and the views the attention kernels read.
+"""The tensors of the paged KV cache: the store pool, in the spec's storage format, and the hot
+pool, in full precision, with the two ways data enters them (quantize new tokens on store,
+quantize a finished hot block) and the views the attention kernels read.
 
 Store pool of K (and of V): `data` (L, NB, H, BS, D // per_byte) codes, plus `scale` and `zero`
 (L, NB|1, H|1, BS|1, G) for integer and fp8 formats; a size-1 dim is shared, so one formula
@@ -92,7 +92,7 @@ class LayerGroup:
 
 
 class KVPools:
-    """The store and hot pools of one cache, and the store kernel chosen when the cache was built."""
+    """The store and hot pools of one cache, and the store kernel chosen with the cache."""
 
     def __init__(self, cfg: Config, spec: KVSpec, num_blocks: int, n_hot: int, block_size: int,
                  device: torch.device, dtype: torch.dtype, static: dict[str, torch.Tensor] | None,
@@ -122,7 +122,8 @@ class KVPools:
             g, local = self.where[layer]
             self.views.append((g.k.layer(local), g.v.layer(local)))
         self.dtype = dtype
-        self._saturated = torch.zeros((), dtype=torch.int64, device=device)  # counting needs no sync
+        # clipped values and NaNs, counted on the device: counting needs no sync
+        self._saturated = torch.zeros((), dtype=torch.int64, device=device)
 
     def moving(self) -> list[torch.Tensor]:
         """Store tensors (L, NB, ...) whose dim 1 is the block: what moves when a block moves."""
@@ -167,7 +168,7 @@ class KVPools:
                 continue
             for x, pl in zip((k, v), self.views[layer]):
                 n_sat = self.store_fn(x[idx], pl.p, pl.data, pl.scale, pl.zero, blk, off)
-                if not isinstance(n_sat, int) or n_sat:  # adding a Python 0 would cost an op a layer
+                if not isinstance(n_sat, int) or n_sat:  # adding a Python 0 costs an op too
                     self._saturated += n_sat
 
     def copy_within(self, pool: int, src: int, dst: int) -> None:

@@ -20,7 +20,8 @@ _FLOAT = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 _BITS = {"fp32": 32, "fp16": 16, "bf16": 16, "fp8": 8, "int8": 8, "int4": 4, "int2": 2}
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 # Dims reduced over the grouped view (..., H, T, G, D // G); the last one is squeezed afterwards.
-_REDUCE = {"token": (-1,), "group": (-1,), "channel": (-3, -1), "head": (-3, -1), "tensor": (-4, -3, -1)}
+_REDUCE = {"token": (-1,), "group": (-1,), "channel": (-3, -1), "head": (-3, -1),
+           "tensor": (-4, -3, -1)}
 
 
 class SpecError(ValueError):
@@ -183,7 +184,7 @@ class QuantParams:
 
     @property
     def block_wise(self) -> bool:
-        """Scales shared across tokens, computed dynamically: once per cache block, when it fills."""
+        """Scales shared across tokens, computed dynamically: once per block, when it fills."""
         shared = self.gran in ("tensor", "head", "channel")
         return shared and not self.static and not self.is_float
 
@@ -355,9 +356,10 @@ def layer_rotations(spec: KVSpec, n_layers: int, head_dim: int
 
 
 def pack(codes: torch.Tensor, per_byte: int) -> torch.Tensor:
-    """uint8 codes (..., D) -> (..., D // per_byte); element per_byte*i + j lands at bit j * bits."""
-    c = codes.unflatten(-1, (-1, per_byte))
-    return sum(c[..., j] << (j * 8 // per_byte) for j in range(per_byte))  # bit fields never overlap
+    """uint8 codes (..., D) -> (..., D // per_byte): element per_byte*i + j goes to bit j * bits
+    of byte i (the bit fields never overlap, so a sum is an or)."""
+    c = codes.unflatten(-1, (-1, per_byte))  # (..., D // per_byte, per_byte)
+    return sum(c[..., j] << (j * 8 // per_byte) for j in range(per_byte))
 
 
 def unpack(stored: torch.Tensor, per_byte: int) -> torch.Tensor:
@@ -365,7 +367,9 @@ def unpack(stored: torch.Tensor, per_byte: int) -> torch.Tensor:
     if per_byte == 1:
         return stored
     bits = 8 // per_byte
-    return torch.stack([(stored >> (j * bits)) & ((1 << bits) - 1) for j in range(per_byte)], -1).flatten(-2)
+    mask = (1 << bits) - 1
+    fields = [(stored >> (j * bits)) & mask for j in range(per_byte)]
+    return torch.stack(fields, -1).flatten(-2)  # (..., D)
 
 
 def cast_up(s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -410,15 +414,19 @@ def _zero_point(p: QuantParams, zero: torch.Tensor | None) -> torch.Tensor | int
     return p.offset if p.sym else zero.float().unsqueeze(-1)
 
 
-def quantize(x: torch.Tensor, p: QuantParams, scale: torch.Tensor | None, zero: torch.Tensor | None,
-             count: bool = True) -> tuple[torch.Tensor, int]:
+def quantize(x: torch.Tensor, p: QuantParams, scale: torch.Tensor | None,
+             zero: torch.Tensor | None, count: bool = True) -> tuple[torch.Tensor, int]:
     """Quantize x (..., H, T, D) with the given (already cast) scale/zero -> (stored, n_saturated).
 
     n_saturated counts values more than half a step outside the representable range (clamped)
-    and NaNs (stored as the code of 0). count=False skips counting, which syncs the device.
+    and NaNs (stored as the code of 0); for float formats, finite values that overflow to inf.
+    count=False skips counting, which syncs the device.
     """
     if p.is_float:
-        return x.to(p.storage_dtype), 0
+        q = x.to(p.storage_dtype)
+        if not count or p.dtype == "fp32":
+            return q, 0
+        return q, int((q.isinf() & x.isfinite()).sum())
     assert scale is not None, f"{p} needs a scale"
     xg = x.float().unflatten(-1, (scale.shape[-1], -1))  # (..., H, T, G, D // G)
     nan = xg.isnan()
@@ -428,15 +436,20 @@ def quantize(x: torch.Tensor, p: QuantParams, scale: torch.Tensor | None, zero: 
         q = v.clamp(-FP8_MAX, FP8_MAX).flatten(-2).to(torch.float8_e4m3fn)
     else:
         v = v + _zero_point(p, zero)
-        lo, hi = (p.qmin + p.offset, p.qmax + p.offset) if p.sym else (0, p.qmax)
+        lo, hi = p.qmin + p.offset, p.qmax + p.offset
         sat = (v < lo - 0.5) | (v > hi + 0.5)
-        codes = v.round().clamp(lo, hi).flatten(-2)
-        q = codes.to(torch.int8) if p.storage_dtype == torch.int8 else pack(codes.to(torch.uint8), p.per_byte)
-    return q, int((sat | nan).sum()) if count else 0
+        codes = v.round().clamp(lo, hi).flatten(-2)  # (..., H, T, D)
+        if p.storage_dtype == torch.int8:
+            q = codes.to(torch.int8)
+        else:
+            q = pack(codes.to(torch.uint8), p.per_byte)
+    if not count:
+        return q, 0
+    return q, int((sat | nan).sum())
 
 
-def dequantize(stored: torch.Tensor, p: QuantParams, scale: torch.Tensor | None, zero: torch.Tensor | None,
-               out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize(stored: torch.Tensor, p: QuantParams, scale: torch.Tensor | None,
+               zero: torch.Tensor | None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Unpack and apply x = (q - zero) * scale; scale/zero may be expanded (stride-0) views."""
     if p.is_float:
         return stored.to(out_dtype)
@@ -449,8 +462,9 @@ def dequantize(stored: torch.Tensor, p: QuantParams, scale: torch.Tensor | None,
 
 def bytes_per_token(p: QuantParams, n_kv_heads: int, head_dim: int, block_size: int | None = None,
                     scale_dtype: torch.dtype = torch.float16) -> float:
-    """Exact bytes per token and layer of K or V: data, token/gN scales and zeros, and with block_size
-    block-wise scales spread over a block's tokens. Static scales (once per layer) are not counted."""
+    """Exact bytes per token and layer of K or V: data, token/gN scales and zeros, and with
+    block_size block-wise scales spread over a block's tokens. Static scales (once per layer) are
+    not counted."""
     data = n_kv_heads * head_dim * p.bits / 8
     if p.is_float or p.static or (p.block_wise and block_size is None):
         return data

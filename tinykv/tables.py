@@ -306,7 +306,7 @@ class BlockTables:
             self._move_down(b)
 
     def swap_out(self, seq_id: int) -> bool:
-        """Preemption by swapping: a sequence's own device blocks all move down, if there is room."""
+        """Preemption by swapping: all of a sequence's own device blocks move down, if room."""
         if HOST not in self.alloc:
             return False
         store = self.alloc[STORE]
