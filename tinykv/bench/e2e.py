@@ -1,14 +1,18 @@
-"""End-to-end benchmark, `python -m tinykv bench`: tinykv beside Hugging Face transformers on the same weights.
+"""End-to-end benchmark, `python -m tinykv bench`: tinykv beside Hugging Face transformers on the
+same weights.
 
-e2e: batch-1 greedy prefill/decode tokens/s per prompt length, tinykv KV specs beside transformers' default and
-quantized (quanto int4) caches, engines alternating, medians, greedy tokens compared; decode tokens/s = (new - 1)
-/ (first new token to last). batch: continuous batching vs one by one. memory: KV bytes/token and what 256 MiB
-holds. quality: perplexity per spec (tinykv.evaluate). One JSON, PNG charts, `render_readme` for the README.
+- e2e: batch-1 greedy prefill/decode tokens/s per prompt length, tinykv KV specs beside
+  transformers' default and quantized (quanto int4) caches, engines alternating, medians, greedy
+  tokens compared; decode tokens/s = (new - 1) / (first new token to last).
+- batch: continuous batching vs one by one.
+- memory: KV bytes/token and what 256 MiB holds.
+- quality: perplexity per spec (tinykv.evaluate).
+
+One JSON, PNG charts, and `render_readme` for the README.
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib.metadata
 import importlib.util
 import json
@@ -16,52 +20,68 @@ import os
 import platform
 import random
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from itertools import zip_longest
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
 from .. import evaluate
 from ..cache import hot_blocks, make_cache
 from ..generate import Engine, Sampling
+from ..model import Config, Transformer
 from ..quant import KVSpec, bytes_per_token
+
 KIVI = "k=int4:channel:asym,v=int4:g32:asym,residual=64"
 DEFAULT_SPECS = ("fp16", "int8", "int4", KIVI)
 MEM_SPECS = ["fp32", "fp16", "fp8", "int8", "int4", "int2", KIVI]
 BUDGET = 256 * 2**20  # KV bytes, for the memory part
-HF_QUANT = {"backend": "quanto", "nbits": 4}  # transformers' defaults otherwise: q_group_size 64, residual 128
-MODES = {  # prompt lengths, new tokens, repetitions; batch sizes, prompt lengths, new tokens; perplexity tokens
-    "full": dict(lengths=[128, 1024, 4096], new=64, reps=3, batches=[16, 64], batch_lens=[32, 512], batch_new=32,
+# transformers' defaults otherwise: q_group_size 64, residual_length 128
+HF_QUANT = {"backend": "quanto", "nbits": 4}
+# e2e: prompt lengths, new tokens, repetitions; batch: batch sizes, the range of prompt lengths,
+# new tokens; quality: perplexity tokens and window.
+MODES = {
+    "full": dict(lengths=[128, 1024, 4096], new=64, reps=3,
+                 batches=[16, 64], batch_lens=[32, 512], batch_new=32,
                  ppl_tokens=8192, window=1024),
-    "quick": dict(lengths=[128, 1024], new=32, reps=1, batches=[16], batch_lens=[16, 128], batch_new=16,
+    "quick": dict(lengths=[128, 1024], new=32, reps=1,
+                  batches=[16], batch_lens=[16, 128], batch_new=16,
                   ppl_tokens=2048, window=1024),
 }
 Tick = Callable[[str], None]  # progress: called once per finished measurement
-_nop: Tick = lambda _: None
+
+
+def _nop(_: str) -> None:
+    """The default Tick: no progress shown."""
 
 
 def machine_info(device: torch.device) -> dict:
-    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else []
-    cpu = next((ln.split(":", 1)[1].strip() for ln in cpuinfo if ln.startswith("model name")), platform.machine())
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-            "python": platform.python_version(), "device": str(device), "date": time.strftime("%Y-%m-%d %H:%M"),
+    """What the results were measured on: CPU, threads, GPU, library versions, date and load."""
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.is_file() else []
+    names = (ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name"))
+    transformers = None
+    if importlib.util.find_spec("transformers"):
+        transformers = importlib.metadata.version("transformers")
+    return {"cpu": next(names, platform.machine()), "cores": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+            "python": platform.python_version(), "device": str(device),
+            "date": time.strftime("%Y-%m-%d %H:%M"),
             "load_avg": os.getloadavg() if hasattr(os, "getloadavg") else None,
             "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-            "transformers": importlib.metadata.version("transformers") if importlib.util.find_spec("transformers")
-            else None}
+            "transformers": transformers}
 
 
-# ---- measuring ------------------------------------------------------------------------------------
-def run_engine(model, prompts: list[list[int]], kv: str, n_new: int, max_batch: int = 1):
-    """Exactly n_new greedy tokens per prompt through one engine and the cache `generate --kv KV` would build."""
-    p = next(model.parameters())
+# ---- measuring -----------------------------------------------------------------------------------
+def run_engine(model: Transformer, prompts: list[list[int]], kv: str, n_new: int,
+               max_batch: int = 1) -> tuple[Engine, float, list[list[int]]]:
+    """Exactly n_new greedy tokens per prompt through one engine and the cache `generate --kv KV`
+    would build -> (the engine, seconds, the new tokens of each prompt)."""
+    weight = next(model.parameters())
     need = sum(len(x) + n_new for x in prompts)
     with make_cache(model.cfg, kv, tokens=need, max_seqs=min(len(prompts), max_batch),
-                    device=p.device, dtype=p.dtype) as cache:
+                    device=weight.device, dtype=weight.dtype) as cache:
         eng = Engine(model, cache, max_batch=max_batch)
         rids = [eng.add(x, Sampling(temperature=0, max_new_tokens=n_new)) for x in prompts]
         t0 = time.perf_counter()
@@ -69,41 +89,74 @@ def run_engine(model, prompts: list[list[int]], kv: str, n_new: int, max_batch: 
     return eng, time.perf_counter() - t0, [eng.requests[r].new_ids for r in rids]
 
 
-def time_tinykv(model, prompt: list[int], kv: str, n_new: int) -> dict:
+def time_tinykv(model: Transformer, prompt: list[int], kv: str, n_new: int) -> dict:
     """Batch-1 tokens/s from the engine's own prefill/decode split."""
     eng, _, (new,) = run_engine(model, [prompt], kv, n_new)
-    s = eng.stats
-    return {"prefill_tok_s": s.prefill_tokens / s.prefill_s, "decode_tok_s": s.decode_tokens / s.decode_s, "ids": new}
+    stats = eng.stats
+    return {"prefill_tok_s": stats.prefill_tokens / stats.prefill_s,
+            "decode_tok_s": stats.decode_tokens / stats.decode_s, "ids": new}
+
+
+class _Clock:
+    """A streamer for transformers' generate() that only timestamps what it is given: the prompt,
+    then each new token as it reaches the host."""
+
+    def __init__(self):
+        self.stamps: list[float] = []
+
+    def put(self, _tokens) -> None:
+        self.stamps.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
 
 
 def time_hf(hf, prompt: list[int], n_new: int, quantized: bool = False) -> dict:
-    """transformers' greedy generate() of exactly n_new tokens, with its default or its quantized cache."""
+    """transformers' greedy generate() of exactly n_new tokens, with its default or its quantized
+    cache."""
     x = torch.tensor([prompt], device=hf.device)
-    kw = {"cache_implementation": "quantized", "cache_config": dict(HF_QUANT)} if quantized else {}
-    stamps: list[float] = []  # a streamer that only timestamps: generate() puts the prompt, then each new token
-    clock = SimpleNamespace(put=lambda _: stamps.append(time.perf_counter()), end=lambda: None)
+    kw = {}
+    if quantized:
+        kw = {"cache_implementation": "quantized", "cache_config": dict(HF_QUANT)}
+    clock = _Clock()
     t0 = time.perf_counter()
-    out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n_new, min_new_tokens=n_new,
-                      do_sample=False, pad_token_id=hf.generation_config.pad_token_id or 0, streamer=clock, **kw)
-    t = stamps[1:]  # t[i]: new token i is on the host
-    return {"prefill_tok_s": len(prompt) / (t[0] - t0), "decode_tok_s": (len(t) - 1) / (t[-1] - t[0]),
+    out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n_new,
+                      min_new_tokens=n_new, do_sample=False,
+                      pad_token_id=hf.generation_config.pad_token_id or 0, streamer=clock, **kw)
+    t = clock.stamps[1:]  # t[i]: new token i is on the host
+    return {"prefill_tok_s": len(prompt) / (t[0] - t0),
+            "decode_tok_s": (len(t) - 1) / (t[-1] - t[0]),
             "ids": out[0, len(prompt):].tolist()}
 
 
 def tokens_match(ours: list[int], ref: list[int]) -> dict:
-    """Greedy tokens compared one by one: match, and the first index where they differ (None if equal)."""
-    diff = next((i for i, (a, b) in enumerate(zip_longest(ours, ref)) if a != b), None)
+    """Greedy tokens compared one by one: match, and the first index where they differ (None if
+    equal)."""
+    pairs = enumerate(zip_longest(ours, ref))
+    diff = next((i for i, (a, b) in pairs if a != b), None)
     return {"match": diff is None, "first_diff": diff}
 
 
-def bench_e2e(model, hf, ids: list[int], lengths: list[int], n_new: int, specs: list[str], reps: int,
-              hf_quant: bool, tick: Tick = _nop) -> list[dict]:
-    """Rows (prompt_len, engine, kv) of median prefill/decode tokens/s; tinykv rows compared to transformers."""
-    tk = [("tinykv", s) for s in specs]
-    ref = [("transformers", "default"), ("transformers", "quanto-int4")][:(hf is not None) * (1 + hf_quant)]
-    order = [e for i in range(max(len(tk), len(ref))) for e in tk[i:i + 1] + ref[i:i + 1]]  # tinykv, hf, tinykv...
-    measure = lambda e, prompt, n: (time_tinykv(model, prompt, e[1], n) if e[0] == "tinykv"
-                                    else time_hf(hf, prompt, n, quantized=e[1] != "default"))
+def bench_e2e(model: Transformer, hf, ids: list[int], lengths: list[int], n_new: int,
+              specs: list[str], reps: int, hf_quant: bool, tick: Tick = _nop) -> list[dict]:
+    """Rows (prompt_len, engine, kv) of median prefill/decode tokens/s; tinykv rows compared to
+    transformers."""
+    ours = [("tinykv", s) for s in specs]
+    theirs = []
+    if hf is not None:
+        theirs.append(("transformers", "default"))
+        if hf_quant:
+            theirs.append(("transformers", "quanto-int4"))
+    order = []  # interleaved: tinykv, transformers, tinykv, ...
+    for i in range(max(len(ours), len(theirs))):
+        order += ours[i:i + 1] + theirs[i:i + 1]
+
+    def measure(engine: tuple[str, str], prompt: list[int], n: int) -> dict:
+        name, kv = engine
+        if name == "tinykv":
+            return time_tinykv(model, prompt, kv, n)
+        return time_hf(hf, prompt, n, quantized=kv != "default")
+
     for e in order:  # warm-up: first calls (allocators, quanto's kernels) are not what we measure
         measure(e, ids[:160], 3)
         tick(f"warm-up {e[0]} {e[1]}")
@@ -111,131 +164,176 @@ def bench_e2e(model, hf, ids: list[int], lengths: list[int], n_new: int, specs: 
     for L in lengths:
         runs: dict = {e: [] for e in order}
         for rep in range(reps):
-            for e in order[rep % len(order):] + order[:rep % len(order)]:  # rotated: drift hits every engine
+            shift = rep % len(order)
+            for e in order[shift:] + order[:shift]:  # rotated: drift hits every engine
                 runs[e].append(measure(e, ids[:L], n_new))
                 tick(f"{L} tokens: {e[0]} {e[1]}")
-        rows += [{"prompt_len": L, "engine": engine, "kv": kv, "new_tokens": n_new, "runs": len(rs),
-                  "prefill_tok_s": statistics.median(r["prefill_tok_s"] for r in rs),
-                  "decode_tok_s": statistics.median(r["decode_tok_s"] for r in rs),
-                  "decode_tok_s_all": [r["decode_tok_s"] for r in rs], "ids": rs[0]["ids"]}
-                 for (engine, kv), rs in runs.items()]
+        for (engine, kv), rs in runs.items():
+            rows.append({"prompt_len": L, "engine": engine, "kv": kv, "new_tokens": n_new,
+                         "runs": len(rs),
+                         "prefill_tok_s": statistics.median(r["prefill_tok_s"] for r in rs),
+                         "decode_tok_s": statistics.median(r["decode_tok_s"] for r in rs),
+                         "decode_tok_s_all": [r["decode_tok_s"] for r in rs],
+                         "ids": rs[0]["ids"]})
     for r in rows:  # the same greedy tokens as transformers? how many times its speed?
-        hf_rows = {x["kv"]: x for x in rows if x["prompt_len"] == r["prompt_len"] and x["engine"] == "transformers"}
+        hf_rows = {x["kv"]: x for x in rows
+                   if x["prompt_len"] == r["prompt_len"] and x["engine"] == "transformers"}
         if r["engine"] == "tinykv" and "default" in hf_rows:
-            r.update({f"{k}_vs_hf": v for k, v in tokens_match(r["ids"], hf_rows["default"]["ids"]).items()})
+            match = tokens_match(r["ids"], hf_rows["default"]["ids"])
+            r.update({f"{k}_vs_hf": v for k, v in match.items()})
             for kv, x in hf_rows.items():
                 r[f"decode_x_hf_{kv}"] = r["decode_tok_s"] / x["decode_tok_s"]
     return rows
 
 
-def bench_batch(model, prompts: list[list[int]], kv: str, n_new: int, tick: Tick = _nop) -> dict:
-    """The prompts through Engine(max_batch=len(prompts)) and one by one: generated and total tokens/s."""
+def bench_batch(model: Transformer, prompts: list[list[int]], kv: str, n_new: int,
+                tick: Tick = _nop) -> dict:
+    """The prompts through Engine(max_batch=len(prompts)) and one by one: generated and total
+    tokens/s."""
     _, t_b, ids_b = run_engine(model, prompts, kv, n_new, len(prompts))
     tick(f"{len(prompts)} prompts: continuous batching")
-    one = [run_engine(model, [p], kv, n_new) for p in prompts]
-    t_s, ids_s = sum(x[1] for x in one), [x[2][0] for x in one]
+    alone = [run_engine(model, [prompt], kv, n_new) for prompt in prompts]
+    t_s = sum(seconds for _, seconds, _ in alone)
+    ids_s = [new for _, _, (new,) in alone]
     tick(f"{len(prompts)} prompts: one by one")
-    new, prompt = sum(map(len, ids_b)), sum(map(len, prompts))
-    return {"prompts": len(prompts), "kv": kv, "new_tokens": n_new, "prompt_tokens": prompt, "batched_s": t_b,
-            "sequential_s": t_s, "batched_gen_tok_s": new / t_b, "sequential_gen_tok_s": new / t_s,
-            "batched_total_tok_s": (new + prompt) / t_b, "sequential_total_tok_s": (new + prompt) / t_s,
-            "speedup": t_s / t_b, "same_tokens": sum(a == b for a, b in zip(ids_b, ids_s)) / len(prompts)}
+    new = sum(map(len, ids_b))
+    prompt_tokens = sum(map(len, prompts))
+    same = sum(a == b for a, b in zip(ids_b, ids_s))
+    return {"prompts": len(prompts), "kv": kv, "new_tokens": n_new,
+            "prompt_tokens": prompt_tokens, "batched_s": t_b, "sequential_s": t_s,
+            "batched_gen_tok_s": new / t_b, "sequential_gen_tok_s": new / t_s,
+            "batched_total_tok_s": (new + prompt_tokens) / t_b,
+            "sequential_total_tok_s": (new + prompt_tokens) / t_s,
+            "speedup": t_s / t_b, "same_tokens": same / len(prompts)}
 
 
-def bench_memory(cfg, specs: list[str], budget: int = BUDGET, context: int = 1024, block_size: int = 16,
-                 dtype: torch.dtype = torch.float32) -> list[dict]:
-    """Exact KV bytes/token per spec (the pool's tensors, and the formula), and what `budget` bytes hold."""
+def bench_memory(cfg: Config, specs: list[str], budget: int = BUDGET, context: int = 1024,
+                 block_size: int = 16, dtype: torch.dtype = torch.float32) -> list[dict]:
+    """Exact KV bytes/token per spec (the pool's tensors, and the formula), and what `budget`
+    bytes hold."""
     rows = []
     for s in specs:
         spec = KVSpec.parse(s)
-        c = make_cache(cfg, spec, blocks=2, block_size=block_size, max_seqs=1,
-                       max_step_tokens=block_size, dtype=dtype, attention="torch")
+        cache = make_cache(cfg, spec, blocks=2, block_size=block_size, max_seqs=1,
+                           max_step_tokens=block_size, dtype=dtype, attention="torch")
         # full-precision blocks a sequence holds (sink, residual window, tails awaiting scales)
         hot_seq = 0
-        if c.n_hot:
-            hot_seq = c.pools.hot.nbytes // c.n_hot * hot_blocks(spec, block_size, 1, 0)
-        per_block = c.bytes_per_token * block_size
-        formula = cfg.n_layers * sum(bytes_per_token(p, cfg.n_kv_heads, cfg.head_dim, block_size)
-                                     for p in (spec.k, spec.v))
+        if cache.n_hot:
+            hot_block = cache.pools.hot.nbytes // cache.n_hot
+            hot_seq = hot_block * hot_blocks(spec, block_size, 1, 0)
+        per_block = cache.bytes_per_token * block_size
+        formula = cfg.n_layers * sum(bytes_per_token(qp, cfg.n_kv_heads, cfg.head_dim, block_size)
+                                     for qp in (spec.k, spec.v))
         per_seq = -(-context // block_size) * per_block + hot_seq
-        rows.append({"kv": str(spec), "bytes_per_token": c.bytes_per_token, "formula_bytes_per_token": formula,
-                     "hot_bytes_per_seq": hot_seq, "max_context": int((budget - hot_seq) // per_block) * block_size,
-                     "max_batch": int(budget // per_seq), "batch_context": context})
+        max_context = int((budget - hot_seq) // per_block) * block_size
+        rows.append({"kv": str(spec), "bytes_per_token": cache.bytes_per_token,
+                     "formula_bytes_per_token": formula, "hot_bytes_per_seq": hot_seq,
+                     "max_context": max_context, "max_batch": int(budget // per_seq),
+                     "batch_context": context})
     return rows
 
 
-def bench_quality(model, tokens: list[int], specs: list[str], window: int, tick: Tick = _nop) -> dict:
-    """Perplexity per spec through the cache (tinykv.evaluate), or a note saying why there is none."""
+def bench_quality(model: Transformer, tokens: list[int], specs: list[str], window: int,
+                  tick: Tick = _nop) -> dict:
+    """Perplexity per spec through the cache (tinykv.evaluate)."""
     rows = []
-    p = next(model.parameters())
+    weight = next(model.parameters())
     for s in specs:
         with make_cache(model.cfg, s, tokens=window, max_seqs=1, max_step_tokens=256,
-                        device=p.device, dtype=p.dtype) as cache:
+                        device=weight.device, dtype=weight.dtype) as cache:
             r = evaluate.perplexity(model, cache, tokens, window, 256)
-        rows.append({"kv": r.kv, "ppl": r.ppl, "bytes_per_token": r.kv_bytes_per_token, "tokens": r.tokens})
+        rows.append({"kv": r.kv, "ppl": r.ppl, "bytes_per_token": r.kv_bytes_per_token,
+                     "tokens": r.tokens})
         tick(f"perplexity {s}")
     return {"window": window, "chunk": 256, "tokens": len(tokens), "rows": rows}
 
 
-def collect(model, hf, ids: list[int], m: dict, specs: list[str], batch_kv: str = "int8",
-            hf_quant: bool = False, tick: Tick = _nop) -> dict:
+def collect(model: Transformer, hf, ids: list[int], m: dict, specs: list[str],
+            batch_kv: str = "int8", hf_quant: bool = False, tick: Tick = _nop) -> dict:
     """Every part of the benchmark in mode `m` (see MODES), prompts cut from the token ids `ids`."""
     need = needed_tokens(m)
     if len(ids) < need:
         raise ValueError(f"the text has {len(ids)} tokens; this benchmark needs {need}")
-    hf_q = ("quanto int4, q_group_size 64, residual_length 128" if hf_quant else
-            "not installed (pip install optimum-quanto)" if hf is not None else "skipped")
+    if hf is None:
+        hf_q = "skipped"
+    elif hf_quant:
+        hf_q = "quanto int4, q_group_size 64, residual_length 128"
+    else:
+        hf_q = "not installed (pip install optimum-quanto)"
     out = {"config": {**m, "specs": specs, "batch_kv": batch_kv, "transformers": hf is not None,
                       "transformers_quantized": hf_q}}
-    out["e2e"] = bench_e2e(model, hf, ids, m["lengths"], m["new"], specs, m["reps"], hf_quant, tick)
+    out["e2e"] = bench_e2e(model, hf, ids, m["lengths"], m["new"], specs, m["reps"], hf_quant,
+                           tick)
     rng, out["batch"] = random.Random(0), []
     for n in m["batches"]:  # prompts cut one after another from the text, after the e2e prompt
         lens = [rng.randint(*m["batch_lens"]) for _ in range(n)]
         starts = [max(m["lengths"]) + sum(lens[:i]) for i in range(n)]
         prompts = [ids[s:s + k] for s, k in zip(starts, lens)]
         out["batch"].append(bench_batch(model, prompts, batch_kv, m["batch_new"], tick))
-    out["memory"] = {"budget_bytes": BUDGET, "rows": bench_memory(model.cfg, MEM_SPECS, dtype=model.embed.weight.dtype)}
-    out["quality"] = bench_quality(model, ids[:m["ppl_tokens"]], MEM_SPECS, min(m["window"], m["ppl_tokens"]), tick)
+    memory = bench_memory(model.cfg, MEM_SPECS, dtype=model.embed.weight.dtype)
+    out["memory"] = {"budget_bytes": BUDGET, "rows": memory}
+    window = min(m["window"], m["ppl_tokens"])
+    out["quality"] = bench_quality(model, ids[:m["ppl_tokens"]], MEM_SPECS, window, tick)
     return out
 
 
-# ---- reporting ------------------------------------------------------------------------------------
-_name = lambda r: f"{r['engine']} {r['kv']}"
+# ---- reporting -----------------------------------------------------------------------------------
+def _name(row: dict) -> str:
+    return f"{row['engine']} {row['kv']}"
 
 
 def _md(head: list[str], rows: list[list], right: int = 1) -> list[str]:
-    """A Markdown table padded to aligned columns (readable printed too); columns from `right` on align right."""
+    """A Markdown table padded to aligned columns (readable printed too); columns from `right` on
+    align right."""
     cells = [head] + [[str(c) for c in r] for r in rows]
-    w = [max(len(r[i]) for r in cells) for i in range(len(head))]
-    line = lambda r: "| " + " | ".join(c.rjust(w[i]) if i >= right else c.ljust(w[i]) for i, c in enumerate(r)) + " |"
-    rule = "|" + "|".join("-" * (w[i] + 1) + (":" if i >= right else "-") for i in range(len(head))) + "|"
+    width = [max(len(r[i]) for r in cells) for i in range(len(head))]
+
+    def line(row: list[str]) -> str:
+        padded = [c.rjust(width[i]) if i >= right else c.ljust(width[i]) for i, c in enumerate(row)]
+        return "| " + " | ".join(padded) + " |"
+
+    rule = "|" + "|".join("-" * (width[i] + 1) + (":" if i >= right else "-")
+                          for i in range(len(head))) + "|"
     return [line(head), rule] + [line(r) for r in cells[1:]]
+
+
+def _times(row: dict, key: str) -> str:
+    """A speed ratio as '1.23x', or '-' where the row has none."""
+    return f"{row[key]:.2f}x" if key in row else "-"
 
 
 def tables(res: dict) -> list[str]:
     """The side-by-side tables: e2e (ratios, token check), batching, memory with perplexity."""
-    x = lambda r, k: f"{r[k]:.2f}x" if k in r else "-"
-    q, mem, qn = {r["kv"]: f"{r['ppl']:.3f}" for r in res["quality"]["rows"]}, res["memory"], res["quality"]
+    quality, mem = res["quality"], res["memory"]
+    ppl = {r["kv"]: f"{r['ppl']:.3f}" for r in quality["rows"]}
     e2e = [[_name(r), r["prompt_len"], f"{r['prefill_tok_s']:.1f}", f"{r['decode_tok_s']:.2f}",
-            x(r, "decode_x_hf_default"), x(r, "decode_x_hf_quanto-int4"), r.get("match_vs_hf", "-")]
+            _times(r, "decode_x_hf_default"), _times(r, "decode_x_hf_quanto-int4"),
+            r.get("match_vs_hf", "-")]
            for r in res["e2e"]]
-    batch = [[f"{b['prompts']} prompts", b["kv"], b["new_tokens"], f"{b['batched_gen_tok_s']:.1f}",
-              f"{b['sequential_gen_tok_s']:.1f}", f"{b['batched_total_tok_s']:.0f}", f"{b['speedup']:.2f}x"]
+    batch = [[f"{b['prompts']} prompts", b["kv"], b["new_tokens"],
+              f"{b['batched_gen_tok_s']:.1f}", f"{b['sequential_gen_tok_s']:.1f}",
+              f"{b['batched_total_tok_s']:.0f}", f"{b['speedup']:.2f}x"]
              for b in res["batch"]]
-    memory = [[f"`{r['kv']}`", f"{r['bytes_per_token']:.0f}", r["max_context"], r["max_batch"], q.get(r["kv"], "-")]
+    memory = [[f"`{r['kv']}`", f"{r['bytes_per_token']:.0f}", r["max_context"], r["max_batch"],
+               ppl.get(r["kv"], "-")]
               for r in mem["rows"]]
-    return (_md(["engine / KV", "prompt", "prefill tok/s", "decode tok/s", "vs transformers", "vs transformers int4",
-                 "same tokens"], e2e) + [""]
-            + _md(["batch", "KV", "new/prompt", "batched gen tok/s", "one by one", "batched total tok/s", "speedup"],
-                  batch, right=2) + [""]
-            + _md(["KV spec", "bytes/token", f"longest context in {mem['budget_bytes'] >> 20} MiB",
-                   f"batch of {mem['rows'][0]['batch_context']}-token seqs", "perplexity"], memory)
-            + [f"\nPerplexity: {qn['note']}." if "note" in qn else
-               f"\nPerplexity over {qn['tokens']} tokens of the text, windows of {qn['window']}, through the cache."])
+    e2e_head = ["engine / KV", "prompt", "prefill tok/s", "decode tok/s", "vs transformers",
+                "vs transformers int4", "same tokens"]
+    batch_head = ["batch", "KV", "new/prompt", "batched gen tok/s", "one by one",
+                  "batched total tok/s", "speedup"]
+    memory_head = ["KV spec", "bytes/token", f"longest context in {mem['budget_bytes'] >> 20} MiB",
+                   f"batch of {mem['rows'][0]['batch_context']}-token seqs", "perplexity"]
+    footer = (f"\nPerplexity over {quality['tokens']} tokens of the text, windows of "
+              f"{quality['window']}, through the cache.")
+    return (_md(e2e_head, e2e) + [""]
+            + _md(batch_head, batch, right=2) + [""]
+            + _md(memory_head, memory)
+            + [footer])
 
 
 def charts(res: dict, out_dir: Path) -> dict:
-    """PNG charts next to the JSON: decode tokens/s by prompt length, perplexity by KV bytes/token."""
+    """PNG charts next to the JSON: decode tokens/s by prompt length, perplexity by KV
+    bytes/token."""
     try:
         import matplotlib
     except ImportError:
@@ -249,10 +347,12 @@ def charts(res: dict, out_dir: Path) -> dict:
         fig.savefig(out_dir / f"{key}.png", dpi=100)
         plt.close(fig)
         return str(out_dir / f"{key}.png")
+
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name in dict.fromkeys(_name(r) for r in res["e2e"]):
         rs = [r for r in res["e2e"] if _name(r) == name]
-        ax.plot([r["prompt_len"] for r in rs], [r["decode_tok_s"] for r in rs], marker="o", label=name)
+        lengths, speeds = [r["prompt_len"] for r in rs], [r["decode_tok_s"] for r in rs]
+        ax.plot(lengths, speeds, marker="o", label=name)
     ax.set(xscale="log", xlabel="prompt tokens", ylabel="decode tokens/s (batch 1, greedy)")
     ax.set_xticks(res["config"]["lengths"], [str(n) for n in res["config"]["lengths"]])
     ax.legend(fontsize=8)
@@ -269,19 +369,21 @@ def charts(res: dict, out_dir: Path) -> dict:
 
 
 def render_readme(results: dict | str | Path) -> str:
-    """The README's Markdown "Results" section (tables, chart links, machine, command) from bench/results.json."""
+    """The README's Markdown "Results" section (tables, chart links, machine, command) from
+    bench/results.json."""
     res = results if isinstance(results, dict) else json.loads(Path(results).read_text())
     m, c = res["machine"], res["config"]
     gpu = f", {m['gpu']}" if m.get("gpu") else ""
-    head = (f"`{res['command']}` on {m['cpu']} ({m['cores']} cores, {m['device']}{gpu}), torch {m['torch']}, "
-            f"transformers {m.get('transformers') or '-'}, {m['date']}. Greedy, batch 1, {c['new']} new tokens, "
-            f"median of {c['reps']}; transformers' quantized cache: {c['transformers_quantized']}.")
+    head = (f"`{res['command']}` on {m['cpu']} ({m['cores']} cores, {m['device']}{gpu}), "
+            f"torch {m['torch']}, transformers {m.get('transformers') or '-'}, {m['date']}. "
+            f"Greedy, batch 1, {c['new']} new tokens, median of {c['reps']}; "
+            f"transformers' quantized cache: {c['transformers_quantized']}.")
     links = [f"![{k}]({v})" for k, v in res.get("charts", {}).items() if k != "note"]
     return "\n".join(["## Results", "", head, ""] + tables(res) + [""] + links) + "\n"
 
 
 # ---- running it ----------------------------------------------------------------------------------
-def run(model, weights: Path, text: str, text_name: str, quick: bool = False,
+def run(model: Transformer, weights: Path, text: str, text_name: str, quick: bool = False,
         specs: list[str] | None = None, reps: int | None = None, transformers: bool = True,
         out: str | Path = "bench/results-new.json", command: str = "python -m tinykv bench",
         batch_kv: str = "int8") -> dict:
@@ -292,15 +394,19 @@ def run(model, weights: Path, text: str, text_name: str, quick: bool = False,
     from ..tokenizer import Tokenizer
 
     specs = specs or list(DEFAULT_SPECS)
-    mode = {**MODES["quick" if quick else "full"], **({"reps": reps} if reps else {})}
+    mode = dict(MODES["quick" if quick else "full"])
+    if reps:
+        mode["reps"] = reps
     ids = Tokenizer.from_dir(weights).encode(text[:1_000_000])
     ids = repeat_to(ids, needed_tokens(mode))
-    hf, hf_quant, p = None, False, next(model.parameters())
+    hf, hf_quant = None, False
+    weight = next(model.parameters())
     if transformers and importlib.util.find_spec("transformers"):
         import transformers as tf
 
         tf.logging.set_verbosity_error()
-        hf = tf.AutoModelForCausalLM.from_pretrained(weights, dtype=p.dtype).to(p.device).eval()
+        hf = tf.AutoModelForCausalLM.from_pretrained(weights, dtype=weight.dtype)
+        hf = hf.to(weight.device).eval()
         hf_quant = bool(importlib.util.find_spec("optimum")
                         and importlib.util.find_spec("optimum.quanto"))
     n_eng = len(specs) + (hf is not None) + hf_quant
@@ -310,7 +416,8 @@ def run(model, weights: Path, text: str, text_name: str, quick: bool = False,
     def tick(what: str) -> None:
         bar.set_postfix_str(what)
         bar.update()
-    res = {"command": command, "machine": machine_info(p.device), "weights": str(weights),
+
+    res = {"command": command, "machine": machine_info(weight.device), "weights": str(weights),
            "text": text_name}
     res.update(collect(model, hf, ids, mode, specs, batch_kv, hf_quant, tick))
     bar.close()
@@ -325,6 +432,7 @@ def run(model, weights: Path, text: str, text_name: str, quick: bool = False,
 
 
 def needed_tokens(mode: dict) -> int:
+    """Tokens the prompts of a mode are cut from: the longest e2e prompt, then the batches'."""
     return max(mode["lengths"]) + max(mode["batches"]) * mode["batch_lens"][1]
 
 

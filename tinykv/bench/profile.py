@@ -1,32 +1,33 @@
 """`python -m tinykv bench profile`: where a decode step's time goes, tinykv beside transformers.
 
-Wall time per decoded token (batch 1, greedy, after a prompt of --prompt tokens) split into the linear
-layers (every F.linear call, where the weights are read once per token), the cache's `write` (quantize on
-store) and `attend`, and the rest (norms, RoPE, residuals, sampling, Python); transformers' step into its
-linear layers and the rest, from its first new token to its last. Timers wrap those functions for the
-run only.
+Wall time per decoded token (batch 1, greedy, after a prompt of --prompt tokens) split into the
+linear layers (every F.linear call, where the weights are read once per token), the cache's
+`write` (quantize on store) and `attend`, and the rest (norms, RoPE, residuals, sampling, Python);
+transformers' step into its linear layers and the rest, from its first new token to its last.
+Timers wrap those functions for the run only.
 """
 
 from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 
 from ..cache import PagedKVCache, make_cache
 from ..generate import Engine, Sampling
+from ..model import Transformer
 from ..pools import KVPools
 
 PARTS = ["linear", "cache.write", "cache.attend"]
 
 
 @contextmanager
-def timing(owner, name: str, acc: Counter, key: str):
+def timing(owner: object, name: str, acc: Counter, key: str) -> Iterator[None]:
     """While inside, every call of owner.name adds its wall time to acc[key] (seconds)."""
     fn = getattr(owner, name)
 
@@ -36,6 +37,7 @@ def timing(owner, name: str, acc: Counter, key: str):
             return fn(*a, **kw)
         finally:
             acc[key] += time.perf_counter() - t0
+
     setattr(owner, name, timed)
     try:
         yield
@@ -43,18 +45,19 @@ def timing(owner, name: str, acc: Counter, key: str):
         setattr(owner, name, fn)
 
 
-def profile_tinykv(model, prompt: list[int], kv: str, n_new: int) -> dict:
+def profile_tinykv(model: Transformer, prompt: list[int], kv: str, n_new: int) -> dict:
     """ms per decoded token, in all and per part, over n_new decode steps after the prompt."""
-    p = next(model.parameters())
+    weight = next(model.parameters())
     cache = make_cache(model.cfg, kv, tokens=len(prompt) + n_new + 2, max_seqs=1,
-                       device=p.device, dtype=p.dtype)
+                       device=weight.device, dtype=weight.dtype)
     eng = Engine(model, cache, max_batch=1)
     eng.add(prompt, Sampling(temperature=0, max_new_tokens=n_new + 2))
     while eng.stats.decode_tokens == 0:  # the prompt, and one decode step to warm up
         eng.step()
     acc: Counter = Counter()
     with ExitStack() as stack:
-        stack.enter_context(timing(F, "linear", acc, "linear"))  # nn.Linear looks F.linear up at each call
+        # nn.Linear looks F.linear up at each call, so wrapping the module function times them all
+        stack.enter_context(timing(F, "linear", acc, "linear"))
         stack.enter_context(timing(KVPools, "write", acc, "cache.write"))
         stack.enter_context(timing(PagedKVCache, "attend", acc, "cache.attend"))
         t0, steps = time.perf_counter(), 0
@@ -65,31 +68,50 @@ def profile_tinykv(model, prompt: list[int], kv: str, n_new: int) -> dict:
     return _row("tinykv", kv, len(prompt), total, acc, steps)
 
 
+class _DecodeClock:
+    """A streamer for transformers' generate(), which puts the prompt, then each new token: it
+    timestamps each, and clears the timers once the first new token is out, so that they hold
+    decode steps only."""
+
+    def __init__(self, acc: Counter):
+        self.acc = acc
+        self.stamps: list[float] = []
+
+    def put(self, _tokens) -> None:
+        self.stamps.append(time.perf_counter())
+        if len(self.stamps) == 2:
+            self.acc.clear()
+
+    def end(self) -> None:
+        pass
+
+
 def profile_hf(hf, prompt: list[int], n_new: int) -> dict:
+    """ms per decoded token of transformers' greedy generate(), in all and in its linear layers."""
     x = torch.tensor([prompt], device=hf.device)
     acc: Counter = Counter()
-    stamps: list[float] = []  # generate() streams the prompt, then each new token
 
-    def put(_):
-        stamps.append(time.perf_counter())
-        if len(stamps) == 2:  # the first new token is out: only decode steps from here on
-            acc.clear()
-    gen = lambda n, streamer=None: hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n,
-                                               min_new_tokens=n, do_sample=False, streamer=streamer,
-                                               pad_token_id=hf.generation_config.pad_token_id or 0)
-    gen(2)  # warm-up
+    def generate(n: int, streamer: _DecodeClock | None = None) -> None:
+        hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
+                    do_sample=False, streamer=streamer,
+                    pad_token_id=hf.generation_config.pad_token_id or 0)
+
+    generate(2)  # warm-up
+    clock = _DecodeClock(acc)
     with timing(F, "linear", acc, "linear"):
-        gen(n_new + 1, SimpleNamespace(put=put, end=lambda: None))
-    return _row("transformers", "default", len(prompt), stamps[-1] - stamps[1], acc, n_new)
+        generate(n_new + 1, clock)
+    decode_s = clock.stamps[-1] - clock.stamps[1]
+    return _row("transformers", "default", len(prompt), decode_s, acc, n_new)
 
 
 def _row(engine: str, kv: str, prompt: int, total: float, acc: Counter, steps: int) -> dict:
+    """One printed row: ms per step in all, per timed part, and the rest."""
     ms = {k: acc[k] / steps * 1e3 for k in PARTS if k in acc}
-    return {"engine": engine, "kv": kv, "prompt": prompt, "ms_per_token": total / steps * 1e3, **ms,
-            "rest": (total - sum(acc.values())) / steps * 1e3}
+    return {"engine": engine, "kv": kv, "prompt": prompt, "ms_per_token": total / steps * 1e3,
+            **ms, "rest": (total - sum(acc.values())) / steps * 1e3}
 
 
-def run(model, weights: Path, text: str, prompts: list[int], n_new: int = 32,
+def run(model: Transformer, weights: Path, text: str, prompts: list[int], n_new: int = 32,
         specs: list[str] | None = None, transformers: bool = True) -> list[dict]:
     """Profile rows for each prompt length and spec (and transformers), printed as they come."""
     from ..tokenizer import Tokenizer
@@ -116,7 +138,8 @@ def run(model, weights: Path, text: str, prompts: list[int], n_new: int = 32,
             else:
                 r = profile_tinykv(model, ids[:n], kv, n_new)
             rows.append(r)
-            parts = " ".join(f"{r[k]:>12.1f}" if k in r else f"{'-':>12}" for k in PARTS + ["rest"])
+            parts = " ".join(f"{r[k]:>12.1f}" if k in r else f"{'-':>12}"
+                             for k in PARTS + ["rest"])
             print(f"{r['engine'] + ' ' + r['kv']:24} {n:>6} {r['ms_per_token']:>9.1f} {parts}",
                   flush=True)
     return rows
