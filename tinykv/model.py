@@ -50,6 +50,8 @@ class KVStep(Protocol):
 
 @dataclass
 class Config:
+    """The decoder's shape and options; `from_hf` maps a checkpoint's config.json onto it."""
+
     model_type: str = "llama"
     vocab_size: int = 32000
     dim: int = 512
@@ -70,13 +72,14 @@ class Config:
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.model_type not in LLAMA_FAMILY + GPT2_FAMILY:
             raise ModelError(f"unsupported architecture '{self.model_type}' "
                              f"(supported: {', '.join(LLAMA_FAMILY + GPT2_FAMILY)})")
         self.head_dim = self.head_dim or self.dim // self.n_heads
         if self.n_heads % self.n_kv_heads:
-            raise ModelError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+            raise ModelError(f"n_heads={self.n_heads} is not a multiple of "
+                             f"n_kv_heads={self.n_kv_heads}")
         self.n_rep = self.n_heads // self.n_kv_heads
         self.gpt2_style = self.model_type in GPT2_FAMILY
 
@@ -95,10 +98,11 @@ class Config:
                 raise ModelError("unsupported attention scaling in config.json")
             return cls(model_type=mt, vocab_size=d["vocab_size"], dim=dim, n_layers=d["n_layer"],
                        n_heads=n_heads, n_kv_heads=1 if d.get("multi_query") else n_heads,
-                       ffn_dim=d.get("n_inner") or 4 * dim, norm_eps=d.get("layer_norm_epsilon", 1e-5),
+                       ffn_dim=d.get("n_inner") or 4 * dim,
+                       norm_eps=d.get("layer_norm_epsilon", 1e-5),
                        max_seq_len=d.get("n_positions", 1024), tie_embeddings=True, qkv_bias=True,
-                       o_bias=True, mlp_bias=True, gelu_tanh=act != "gelu", bos_token_id=d.get("bos_token_id"),
-                       eos_token_id=eos)
+                       o_bias=True, mlp_bias=True, gelu_tanh=act != "gelu",
+                       bos_token_id=d.get("bos_token_id"), eos_token_id=eos)
         if mt not in LLAMA_FAMILY:
             raise ModelError(f"unsupported architecture '{mt or '?'}' "
                              f"(supported: {', '.join(LLAMA_FAMILY + GPT2_FAMILY)})")
@@ -119,15 +123,19 @@ class Config:
                    max_seq_len=d.get("max_position_embeddings", 2048),
                    tie_embeddings=d.get("tie_word_embeddings", False),
                    qkv_bias=attn_bias or mt == "qwen2", o_bias=attn_bias,
-                   mlp_bias=d.get("mlp_bias", False), bos_token_id=d.get("bos_token_id"), eos_token_id=eos)
+                   mlp_bias=d.get("mlp_bias", False), bos_token_id=d.get("bos_token_id"),
+                   eos_token_id=eos)
 
 
-def rope_tables(cfg: Config, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(cfg: Config, device: torch.device | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin of shape (max_seq_len, head_dim), in float32, rotate-half layout; sin's first half is
     negated, so that rotating half the channels is a roll (apply_rope)."""
     hd = cfg.head_dim
-    inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64, device=device) / hd)
-    if cfg.rope_scaling:  # llama3: long wavelengths slowed by `factor`, short ones kept, smooth between
+    even = torch.arange(0, hd, 2, dtype=torch.float64, device=device)  # (hd / 2,)
+    inv_freq = 1.0 / cfg.rope_theta ** (even / hd)
+    if cfg.rope_scaling:
+        # llama3: long wavelengths slowed by `factor`, short ones kept, smooth in between
         s = cfg.rope_scaling
         factor, lo, hi = s["factor"], s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
         old_len = s["original_max_position_embeddings"]
@@ -137,9 +145,10 @@ def rope_tables(cfg: Config, device=None) -> tuple[torch.Tensor, torch.Tensor]:
         inv_freq = torch.where(wavelen > old_len / lo, inv_freq / factor,
                                torch.where(wavelen < old_len / hi, inv_freq, mid))
     t = torch.arange(cfg.max_seq_len, dtype=torch.float64, device=device)
-    freqs = torch.outer(t, inv_freq)
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().float(), (emb.sin() * torch.cat([-torch.ones_like(freqs), torch.ones_like(freqs)], -1)).float()
+    freqs = torch.outer(t, inv_freq)  # (max_seq_len, hd / 2)
+    emb = torch.cat([freqs, freqs], dim=-1)  # (max_seq_len, hd)
+    sign = torch.cat([-torch.ones_like(freqs), torch.ones_like(freqs)], -1)
+    return emb.cos().float(), (emb.sin() * sign).float()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -149,6 +158,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
+    """Fused q/k/v projection, RoPE, attention (through the plan's cache, or plain causal)."""
+
     def __init__(self, cfg: Config, layer: int):
         super().__init__()
         self.cfg, self.layer = cfg, layer
@@ -156,11 +167,14 @@ class Attention(nn.Module):
         self.wqkv = nn.Linear(cfg.dim, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.wo = nn.Linear(self.q_size, cfg.dim, bias=cfg.o_bias)
 
-    def forward(self, x: torch.Tensor, cos, sin, plan: KVStep | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
+                plan: KVStep | None = None) -> torch.Tensor:
+        """x (B, T, dim), or (N, dim) packed with a plan -> the same shape."""
         cfg = self.cfg
         lead = x.shape[:-1]
         qk, v = self.wqkv(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        qk = qk.unflatten(-1, (cfg.n_heads + cfg.n_kv_heads, cfg.head_dim))  # q and k rotate in one go
+        # (..., n_heads + n_kv_heads, hd): q and k rotate in one go
+        qk = qk.unflatten(-1, (cfg.n_heads + cfg.n_kv_heads, cfg.head_dim))
         if cos is not None:
             qk = apply_rope(qk, cos, sin)
         q, k = qk.split([cfg.n_heads, cfg.n_kv_heads], dim=-2)
@@ -176,6 +190,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    """SwiGLU (Llama family) or GELU (GPT-2 family) feed-forward."""
+
     def __init__(self, cfg: Config):
         super().__init__()
         self.gpt2_style = cfg.gpt2_style
@@ -193,23 +209,29 @@ class MLP(nn.Module):
 
 
 def make_norm(cfg: Config) -> nn.Module:
+    """LayerNorm for the GPT-2 family, RMSNorm for the Llama family."""
     if cfg.gpt2_style:
         return nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
     return nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
 
 
 class Block(nn.Module):
+    """One pre-norm residual layer: attention, then the MLP."""
+
     def __init__(self, cfg: Config, layer: int):
         super().__init__()
         self.norm1, self.attn = make_norm(cfg), Attention(cfg, layer)
         self.norm2, self.mlp = make_norm(cfg), MLP(cfg)
 
-    def forward(self, x, cos, sin, plan=None):
+    def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
+                plan: KVStep | None = None) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), cos, sin, plan)
         return x + self.mlp(self.norm2(x))
 
 
 class Transformer(nn.Module):
+    """The decoder: embeddings, the blocks, the final norm and the LM head."""
+
     def __init__(self, cfg: Config):
         super().__init__()
         self.cfg = cfg
@@ -227,20 +249,22 @@ class Transformer(nn.Module):
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, plan: KVStep | None = None) -> torch.Tensor:
-        """tokens (B, T) -> logits (B, T, V) without a plan; packed (N,) -> (len(plan.logits_idx), V)."""
+        """tokens (B, T) -> logits (B, T, V) without a plan; packed (N,) -> logits
+        (len(plan.logits_idx), V), or (N, V) when plan.logits_idx is None."""
         if plan is None:
             positions = torch.arange(tokens.shape[-1], device=tokens.device)
         else:
             positions = plan.positions  # (N,)
         if positions.numel() and int(positions.max()) >= self.cfg.max_seq_len:
-            raise ModelError(f"sequence longer than the model's context ({self.cfg.max_seq_len} tokens)")
+            raise ModelError("sequence longer than the model's context "
+                             f"({self.cfg.max_seq_len} tokens)")
         x = self.embed(tokens)
         cos = sin = None
         if self.pos_embed is not None:
             x = x + self.pos_embed(positions)
         else:  # (..., T, 1, hd) broadcasts over heads
-            cos, sin = self.rope_cos[positions].unsqueeze(-2), self.rope_sin[positions].unsqueeze(-2)
-            cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+            cos = self.rope_cos[positions].unsqueeze(-2).to(x.dtype)
+            sin = self.rope_sin[positions].unsqueeze(-2).to(x.dtype)
         for block in self.layers:
             x = block(x, cos, sin, plan)
         if plan is not None and plan.logits_idx is not None:
@@ -269,13 +293,14 @@ class Transformer(nn.Module):
         model.load_state_dict(sd, strict=False, assign=True)
         if cfg.tie_embeddings:
             model.lm_head.weight = model.embed.weight
-        missing = [n for n, p in model.named_parameters() if p.is_meta]
+        missing = [name for name, param in model.named_parameters() if param.is_meta]
         if missing:
             raise ModelError(f"checkpoint in {path} lacks tensors for: {', '.join(missing[:3])}")
         if not cfg.gpt2_style:
             model.rope_cos, model.rope_sin = rope_tables(cfg)
         model = model.to(device=device, dtype=dtype).eval()
-        if device.type == "cpu":  # MKL streams x @ W.T faster from W^T stored row by row (~7% of linear time here)
+        if device.type == "cpu":
+            # MKL streams x @ W.T faster from W^T stored row by row (~7% of linear time here).
             for m in model.layers.modules():
                 if isinstance(m, nn.Linear):
                     m.weight = nn.Parameter(m.weight.t().contiguous().t(), requires_grad=False)
@@ -283,6 +308,7 @@ class Transformer(nn.Module):
 
 
 def load_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the *.safetensors files (one, or the shards) in a directory."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -309,37 +335,44 @@ def convert_hf_state_dict(cfg: Config, hf: dict[str, torch.Tensor]) -> dict[str,
 
     sd: dict[str, torch.Tensor] = {}
     if cfg.gpt2_style:
-        conv1d = cfg.model_type == "gpt2"  # gpt2 stores (in, out); gpt_bigcode uses nn.Linear (out, in)
-        lin = (lambda w: w.t().contiguous()) if conv1d else (lambda w: w)
+        # gpt2 stores Conv1D weights (in, out); gpt_bigcode uses nn.Linear's (out, in)
+        conv1d = cfg.model_type == "gpt2"
+
+        def linear(w: torch.Tensor) -> torch.Tensor:
+            return w.t().contiguous() if conv1d else w
+
         sd["embed.weight"], sd["pos_embed.weight"] = get("wte.weight"), get("wpe.weight")
         sd["norm.weight"], sd["norm.bias"] = get("ln_f.weight"), get("ln_f.bias")
+        pairs = {"norm1": "ln_1", "norm2": "ln_2", "attn.wqkv": "attn.c_attn",
+                 "attn.wo": "attn.c_proj", "mlp.w_in": "mlp.c_fc", "mlp.w_out": "mlp.c_proj"}
         for i in range(cfg.n_layers):
-            p, o = f"h.{i}.", f"layers.{i}."
-            pairs = {"norm1": "ln_1", "norm2": "ln_2", "attn.wqkv": "attn.c_attn", "attn.wo": "attn.c_proj",
-                     "mlp.w_in": "mlp.c_fc", "mlp.w_out": "mlp.c_proj"}
+            src, dst = f"h.{i}.", f"layers.{i}."
             for ours, theirs in pairs.items():
-                w = get(p + theirs + ".weight")
-                sd[o + ours + ".weight"] = w if ours.startswith("norm") else lin(w)
-                sd[o + ours + ".bias"] = get(p + theirs + ".bias")
+                w = get(src + theirs + ".weight")
+                sd[dst + ours + ".weight"] = w if ours.startswith("norm") else linear(w)
+                sd[dst + ours + ".bias"] = get(src + theirs + ".bias")
         return sd
     sd["embed.weight"], sd["norm.weight"] = get("embed_tokens.weight"), get("norm.weight")
     if not cfg.tie_embeddings:
-        sd["lm_head.weight"] = hf["lm_head.weight"].float() if "lm_head.weight" in hf else get("lm_head.weight")
+        sd["lm_head.weight"] = get("lm_head.weight")
     for i in range(cfg.n_layers):
-        p, o = f"layers.{i}.", f"layers.{i}."
-        sd[o + "norm1.weight"] = get(p + "input_layernorm.weight")
-        sd[o + "norm2.weight"] = get(p + "post_attention_layernorm.weight")
-        a = p + "self_attn."
-        sd[o + "attn.wqkv.weight"] = torch.cat([get(a + f"{n}_proj.weight") for n in "qkv"])
+        src = dst = f"layers.{i}."
+        sd[dst + "norm1.weight"] = get(src + "input_layernorm.weight")
+        sd[dst + "norm2.weight"] = get(src + "post_attention_layernorm.weight")
+        attn = src + "self_attn."
+        sd[dst + "attn.wqkv.weight"] = torch.cat([get(attn + f"{n}_proj.weight") for n in "qkv"])
         if cfg.qkv_bias:
-            sd[o + "attn.wqkv.bias"] = torch.cat([get(a + f"{n}_proj.bias") for n in "qkv"])
-        sd[o + "attn.wo.weight"] = get(a + "o_proj.weight")
+            sd[dst + "attn.wqkv.bias"] = torch.cat([get(attn + f"{n}_proj.bias") for n in "qkv"])
+        sd[dst + "attn.wo.weight"] = get(attn + "o_proj.weight")
         if cfg.o_bias:
-            sd[o + "attn.wo.bias"] = get(a + "o_proj.bias")
-        m = p + "mlp."
-        sd[o + "mlp.w_in.weight"] = torch.cat([get(m + "gate_proj.weight"), get(m + "up_proj.weight")])
-        sd[o + "mlp.w_out.weight"] = get(m + "down_proj.weight")
+            sd[dst + "attn.wo.bias"] = get(attn + "o_proj.bias")
+        mlp = src + "mlp."
+        # gate and up fused into one matmul (MLP.forward splits them)
+        gate_up = [get(mlp + "gate_proj.weight"), get(mlp + "up_proj.weight")]
+        sd[dst + "mlp.w_in.weight"] = torch.cat(gate_up)
+        sd[dst + "mlp.w_out.weight"] = get(mlp + "down_proj.weight")
         if cfg.mlp_bias:
-            sd[o + "mlp.w_in.bias"] = torch.cat([get(m + "gate_proj.bias"), get(m + "up_proj.bias")])
-            sd[o + "mlp.w_out.bias"] = get(m + "down_proj.bias")
+            gate_up_bias = [get(mlp + "gate_proj.bias"), get(mlp + "up_proj.bias")]
+            sd[dst + "mlp.w_in.bias"] = torch.cat(gate_up_bias)
+            sd[dst + "mlp.w_out.bias"] = get(mlp + "down_proj.bias")
     return sd

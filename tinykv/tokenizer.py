@@ -1,9 +1,11 @@
 """Tokenizer: text <-> token ids, the model's chat template, and streaming detokenization.
 
-A thin layer over the `tokenizers` library (which does the BPE work from `tokenizer.json`) plus the
-few facts that live in the other files of a Hugging Face-style model folder: BOS/EOS tokens, whether
-to add BOS, and the Jinja chat template (rendered with `jinja2`, as transformers does).
+A thin layer over the `tokenizers` library (which does the BPE work from `tokenizer.json`) plus
+the few facts that live in the other files of a Hugging Face-style model folder: BOS/EOS tokens,
+whether to add BOS, and the Jinja chat template (rendered with `jinja2`, as transformers does).
 """
+
+from __future__ import annotations
 
 import json
 from pathlib import Path
@@ -19,41 +21,61 @@ class TokenizerError(ValueError):
 
 
 def _read_json(path: Path) -> dict:
+    """A JSON file's contents, or {} when the file is absent (every one but tokenizer.json is
+    optional)."""
     return json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
 
 
-def _as_set(value) -> set[int]:  # eos_token_id may be absent, one id, or a list of ids
-    return set() if value is None else {int(v) for v in (value if isinstance(value, list) else [value])}
+def _as_set(value: int | list[int] | None) -> set[int]:
+    """eos_token_id as a set: it may be absent, one id, or a list of ids."""
+    if value is None:
+        return set()
+    values = value if isinstance(value, list) else [value]
+    return {int(v) for v in values}
+
+
+def _tojson(x: object, indent: int | None = None) -> str:
+    """transformers' `tojson` filter for chat templates: non-ASCII characters kept as they are."""
+    return json.dumps(x, ensure_ascii=False, indent=indent)
 
 
 class Tokenizer:
-    """encode/decode with a model's tokenizer.json; `eos_ids` are all the ids that end generation."""
+    """encode/decode with a model's tokenizer.json; `eos_ids` are all the ids that end
+    generation."""
 
     def __init__(self, tok: HFTokenizer, chat_template: str | None, bos_token: str | None,
                  eos_token: str | None, add_bos: bool, eos_ids: set[int]):
-        self.tok, self.chat_template, self.add_bos, self.eos_ids = tok, chat_template, add_bos, eos_ids
+        self.tok, self.chat_template = tok, chat_template
+        self.add_bos, self.eos_ids = add_bos, eos_ids
         self.bos_token, self.eos_token = bos_token, eos_token
         self.bos_id = tok.token_to_id(bos_token) if bos_token else None
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> "Tokenizer":
+    def from_dir(cls, path: str | Path) -> Tokenizer:
+        """The tokenizer of a Hugging Face-style model folder (tokenizer.json and its configs)."""
         path = Path(path)
         if not (path / "tokenizer.json").exists():
-            raise TokenizerError(f"no tokenizer.json in {path} (`python -m tinykv fetch` gets the default)")
+            raise TokenizerError(f"no tokenizer.json in {path} "
+                                 "(`python -m tinykv fetch` gets the default)")
         tok = HFTokenizer.from_file(str(path / "tokenizer.json"))
         tcfg = _read_json(path / "tokenizer_config.json")
-        names = {k: v["content"] if isinstance(v, dict) else v  # a string, or an AddedToken-style dict
-                 for k in ("bos_token", "eos_token") if (v := tcfg.get(k))}
+        names = {}  # bos_token / eos_token: a string, or an AddedToken-style dict
+        for key in ("bos_token", "eos_token"):
+            if value := tcfg.get(key):
+                names[key] = value["content"] if isinstance(value, dict) else value
         eos = _as_set(_read_json(path / "config.json").get("eos_token_id"))
         eos |= _as_set(_read_json(path / "generation_config.json").get("eos_token_id"))
         eos |= _as_set(tok.token_to_id(names.get("eos_token", "")))
         template = tcfg.get("chat_template")
         if isinstance(template, list):  # several named templates: use the default one
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
-        # A chat turn ends with the terminator the template writes after each message (e.g. <|im_end|>);
-        # a model that emits it is done even when the config names another eos token.
-        eos |= {tok.token_to_id(a.content) for a in tok.get_added_tokens_decoder().values()
-                if a.special and a.content in (template or "") and ("end" in a.content or "eot" in a.content)}
+        # A chat turn ends with the terminator the template writes after each message (e.g.
+        # <|im_end|>); a model that emits it is done even when the config names another eos token.
+        for added in tok.get_added_tokens_decoder().values():
+            name = added.content
+            ends = "end" in name or "eot" in name
+            if added.special and name in (template or "") and ends:
+                eos.add(tok.token_to_id(name))
         return cls(tok, template, names.get("bos_token"), names.get("eos_token"),
                    bool(tcfg.get("add_bos_token", False)), eos)
 
@@ -73,9 +95,10 @@ class Tokenizer:
             raise TemplateError(message)
 
         # Same environment settings as transformers, so the rendered text matches it byte for byte.
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=[loopcontrols])
         env.globals["raise_exception"] = raise_exception
-        env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
+        env.filters["tojson"] = _tojson
         try:
             return env.from_string(self.chat_template).render(
                 messages=messages, add_generation_prompt=add_generation_prompt,
@@ -96,12 +119,14 @@ class StreamDecoder:
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False):
         self.tokenizer, self.skip = tokenizer, skip_special_tokens
         self.ids: list[int] = []
-        self.prefix = self.read = 0  # ids[prefix:read] = the last emitted piece; ids[read:] = pending
+        # ids[prefix:read] is the last emitted piece; ids[read:] are pending.
+        self.prefix = self.read = 0
 
     def _text(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip)
 
     def feed(self, token_id: int) -> str:
+        """The text one more id adds ("" while it is held back)."""
         self.ids.append(int(token_id))
         before = self._text(self.ids[self.prefix:self.read])
         text = self._text(self.ids[self.prefix:])
@@ -112,6 +137,7 @@ class StreamDecoder:
 
     def flush(self) -> str:
         """Whatever is still held back (e.g. a character cut off by the end of generation)."""
-        before, text = self._text(self.ids[self.prefix:self.read]), self._text(self.ids[self.prefix:])
+        before = self._text(self.ids[self.prefix:self.read])
+        text = self._text(self.ids[self.prefix:])
         self.prefix = self.read = len(self.ids)
         return text[len(before):]
