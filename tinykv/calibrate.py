@@ -21,6 +21,7 @@ import hashlib
 import json
 import math
 from pathlib import Path
+from types import ModuleType
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -63,8 +64,11 @@ class Recorder:
             q, k = q @ rk.to(q.dtype), k @ rk.to(k.dtype)
         if rv is not None:
             v = v @ rv.to(v.dtype)
-        for w, x in (("k", k), ("v", v)) + ((("q", q),) if self.keep_q else ()):
-            self.seen[w][layer].append(x.float().transpose(0, 1).cpu())
+        kept = [("k", k), ("v", v)]
+        if self.keep_q:
+            kept.append(("q", q))
+        for w, x in kept:
+            self.seen[w][layer].append(x.float().transpose(0, 1).cpu())  # (heads, N, D)
         n_rep = q.shape[1] // k.shape[1]
         q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))  # (1, heads, N, D) as uncached
         o = torch.nn.functional.scaled_dot_product_attention(
@@ -74,18 +78,23 @@ class Recorder:
             o = o @ rv.to(o.dtype).T
         return o
 
-    def stacked(self, which: str) -> torch.Tensor:  # 'q', 'k' or 'v': (L, heads, T, D) float32 on the CPU
+    def stacked(self, which: str) -> torch.Tensor:
+        """Everything recorded of 'q', 'k' or 'v': (L, heads, T, D) float32 on the CPU."""
         return torch.stack([torch.cat(pieces, 1) for pieces in self.seen[which]])
 
 
 def record(model: Transformer, tokens: list[int], window: int = 1024, keep_q: bool = False,
            progress: bool = False, rotations: list[tuple] | None = None) -> Recorder:
-    """Run tokens through the model in independent windows (fresh positions 0..W-1 each) and record."""
-    if not tokens or not 1 <= window <= model.cfg.max_seq_len:
-        raise CalibrationError(f"need tokens and a window in 1..{model.cfg.max_seq_len} (got {len(tokens)}, {window})")
+    """Run tokens through the model in independent windows (fresh positions 0..W-1 each) and
+    record."""
+    limit = model.cfg.max_seq_len
+    if not tokens or not 1 <= window <= limit:
+        raise CalibrationError(f"need tokens and a window in 1..{limit} "
+                               f"(got {len(tokens)}, {window})")
     rec = Recorder(model, keep_q, rotations)
-    for s in tqdm(range(0, len(tokens), window), desc="calibrate", unit="window", disable=not progress):
-        rec(tokens[s:s + window])
+    starts = range(0, len(tokens), window)
+    for start in tqdm(starts, desc="calibrate", unit="window", disable=not progress):
+        rec(tokens[start:start + window])
     return rec
 
 
@@ -93,25 +102,37 @@ def parse_observer(s: str) -> tuple[str, float]:
     """'minmax' | 'percentile:P' (0 < P <= 100) | 'meanstd:K' (K > 0) -> (kind, parameter)."""
     kind, _, arg = s.partition(":")
     val = float(arg) if arg.replace(".", "", 1).isdigit() else -1.0
-    if (kind, arg) == ("minmax", "") or (kind == "percentile" and 0 < val <= 100) or (kind == "meanstd" and val > 0):
+    valid = ((kind, arg) == ("minmax", "")
+             or (kind == "percentile" and 0 < val <= 100)
+             or (kind == "meanstd" and val > 0))
+    if valid:
         return kind, max(val, 0.0)
     raise CalibrationError(f"bad observer {s!r} (expected minmax, percentile:P with 0 < P <= 100, "
                            "or meanstd:K with K > 0)")
 
 
 def _quantile(x: torch.Tensor, q: float) -> torch.Tensor:
-    """numpy's default ('linear') quantile over the last dim (kthvalue: no size limit, no sorted copy)."""
-    i = int(pos := q * (x.shape[-1] - 1))
-    lo, hi = x.kthvalue(i + 1, -1).values, x.kthvalue(min(i + 2, x.shape[-1]), -1).values
+    """numpy's default ('linear') quantile over the last dim (kthvalue: no size limit, no sorted
+    copy)."""
+    n = x.shape[-1]
+    pos = q * (n - 1)  # between the i-th and the next smallest value
+    i = int(pos)
+    lo = x.kthvalue(i + 1, -1).values
+    hi = x.kthvalue(min(i + 2, n), -1).values
     return lo + (hi - lo) * (pos - i)
 
 
-def observe(x: torch.Tensor, p: QuantParams, observer: str = "minmax") -> tuple[torch.Tensor, torch.Tensor]:
-    """Range (lo, hi) of x (L, H, T, D) per static scale group of p, each (L, H|1, 1, G); sym: lo = -hi."""
+def observe(x: torch.Tensor, p: QuantParams,
+            observer: str = "minmax") -> tuple[torch.Tensor, torch.Tensor]:
+    """Range (lo, hi) of x (L, H, T, D) per static scale group of p, each (L, H|1, 1, G); sym:
+    lo = -hi."""
     kind, arg = parse_observer(observer)
     L, H = x.shape[:2]
     rows = x.float().transpose(2, 3)  # (L, H, D, T): tokens are always reduced over
-    rows = {"tensor": rows.reshape(L, 1, 1, -1), "head": rows.reshape(L, H, 1, -1), "channel": rows}[p.gran]
+    if p.gran == "tensor":
+        rows = rows.reshape(L, 1, 1, -1)
+    elif p.gran == "head":
+        rows = rows.reshape(L, H, 1, -1)
     if kind == "minmax":
         lo, hi = rows.amin(-1), rows.amax(-1)
     elif kind == "percentile" and p.sym:
@@ -120,9 +141,11 @@ def observe(x: torch.Tensor, p: QuantParams, observer: str = "minmax") -> tuple[
         lo, hi = _quantile(rows, 1 - arg / 100), _quantile(rows, arg / 100)
     else:
         mean, std = rows.mean(-1), rows.std(-1, correction=0)
-        lo, hi = torch.maximum(mean - arg * std, rows.amin(-1)), torch.minimum(mean + arg * std, rows.amax(-1))
+        lo = torch.maximum(mean - arg * std, rows.amin(-1))
+        hi = torch.minimum(mean + arg * std, rows.amax(-1))
     if p.sym:  # one bound, symmetric about 0
-        lo, hi = -torch.maximum(lo.abs(), hi.abs()), torch.maximum(lo.abs(), hi.abs())
+        bound = torch.maximum(lo.abs(), hi.abs())
+        lo, hi = -bound, bound
     return lo.unsqueeze(2), hi.unsqueeze(2)
 
 
@@ -136,29 +159,42 @@ def spec_rotations(model: Transformer, spec: KVSpec) -> list[tuple] | None:
 def check_request(spec: KVSpec, observer: str, vllm: bool = False) -> None:
     """Fail fast, before the slow part, on what calibration (and the vLLM export) cannot do."""
     if not spec.needs_scales:
-        raise CalibrationError(f"KV spec '{spec}' has no static part to calibrate (e.g. int8:tensor:static)")
+        raise CalibrationError(f"KV spec '{spec}' has no static part to calibrate "
+                               "(e.g. int8:tensor:static)")
     parse_observer(observer)
     p = spec.k
     if vllm and (p.rot or spec.v.rot or spec.skip):
         raise CalibrationError(f"vLLM cannot apply tinykv's rotation or skipped layers: '{spec}' "
                                "has :rot or skip= (export a spec without them)")
-    if vllm and not (p == spec.v and p.sym and p.gran in ("tensor", "head") and p.dtype in ("fp8", "int8")):
-        raise CalibrationError(f"vLLM's KV scale convention needs one static sym per-tensor or per-head fp8/int8 "
-                               f"format for K and V (e.g. fp8:tensor:static); '{spec}' is not one")
+    vllm_format = (p == spec.v and p.sym and p.gran in ("tensor", "head")
+                   and p.dtype in ("fp8", "int8"))
+    if vllm and not vllm_format:
+        raise CalibrationError("vLLM's KV scale convention needs one static sym per-tensor or "
+                               "per-head fp8/int8 format for K and V (e.g. fp8:tensor:static); "
+                               f"'{spec}' is not one")
 
 
-def static_scales(k: torch.Tensor, v: torch.Tensor, spec: KVSpec, observer: str = "minmax") -> dict[str, torch.Tensor]:
-    """Scales for the static parts of spec from recorded keys and values (L, H, T, D): compute_scales
-    over each group's two bounds, so the convention (qmax, rounding up, integer zero) is the dynamic one."""
+def static_scales(k: torch.Tensor, v: torch.Tensor, spec: KVSpec,
+                  observer: str = "minmax") -> dict[str, torch.Tensor]:
+    """Scales for the static parts of spec from recorded keys and values (L, H, T, D):
+    compute_scales over each group's two bounds, so the convention (qmax, rounding up, integer
+    zero) is the dynamic one."""
     check_request(spec, observer)
     out = {}
     for name, p, x in (("k", spec.k, k), ("v", spec.v, v)):
-        if p.static:
-            lo, hi = observe(x, p, observer)
-            scale, zero = compute_scales(torch.cat([lo, hi], 2), p, scale_dtype=torch.float32)  # (L, H|1, 1, G)
-            if p.sym:  # absmax / (absmax / qmax) may round a hair above qmax: one ulp up so nothing seen clips
-                scale = torch.where(hi / scale > p.qmax, torch.nextafter(scale, torch.tensor(math.inf)), scale)
-            out |= {f"{name}_scale": scale} | ({} if zero is None else {f"{name}_zero": zero})
+        if not p.static:
+            continue
+        lo, hi = observe(x, p, observer)
+        bounds = torch.cat([lo, hi], 2)  # (L, H|1, 2, G): two "tokens" holding the range
+        scale, zero = compute_scales(bounds, p, scale_dtype=torch.float32)  # (L, H|1, 1, G)
+        if p.sym:
+            # absmax / (absmax / qmax) may round a hair above qmax: one ulp up, so that nothing
+            # seen clips.
+            up = torch.nextafter(scale, torch.tensor(math.inf))
+            scale = torch.where(hi / scale > p.qmax, up, scale)
+        out[f"{name}_scale"] = scale
+        if zero is not None:
+            out[f"{name}_zero"] = zero
     return out
 
 
@@ -173,67 +209,85 @@ def calibrate(model: Transformer, tokens: list[int], spec: KVSpec, observer: str
 def fingerprint(cfg: Config) -> dict[str, str]:
     """What a scale file must agree on with the model: shapes, and a hash of the whole config."""
     blob = json.dumps(dataclasses.asdict(cfg), sort_keys=True, default=str).encode()
-    return {"model_type": cfg.model_type, "n_layers": str(cfg.n_layers), "n_kv_heads": str(cfg.n_kv_heads),
-            "head_dim": str(cfg.head_dim), "config_hash": hashlib.sha256(blob).hexdigest()[:16]}
+    return {"model_type": cfg.model_type, "n_layers": str(cfg.n_layers),
+            "n_kv_heads": str(cfg.n_kv_heads), "head_dim": str(cfg.head_dim),
+            "config_hash": hashlib.sha256(blob).hexdigest()[:16]}
 
 
 def save_scales(path: str | Path, scales: dict[str, torch.Tensor], cfg: Config, spec: KVSpec,
                 observer: str, tokens: int) -> None:
-    meta = {"format": FORMAT, "spec": str(spec), "observer": observer, "tokens": str(tokens), **fingerprint(cfg)}
+    """A scale file: the tensors as float32 safetensors, with what `load_scales` checks."""
+    meta = {"format": FORMAT, "spec": str(spec), "observer": observer, "tokens": str(tokens),
+            **fingerprint(cfg)}
     save_file({n: t.float().contiguous() for n, t in scales.items()}, str(path), metadata=meta)
 
 
 def load_scales(path: str | Path, cfg: Config, spec: KVSpec) -> dict[str, torch.Tensor]:
-    """Static scales from a calibration file, checked against the model and the spec's static parts."""
+    """Static scales from a calibration file, checked against the model and the spec's static
+    parts."""
     if not Path(path).is_file():
         raise CalibrationError(f"scale file not found: {path}")
     try:
         with safe_open(str(path), framework="pt") as f:
-            meta, tensors = f.metadata() or {}, {n: f.get_tensor(n) for n in f.keys()}
+            meta = f.metadata() or {}
+            tensors = {n: f.get_tensor(n) for n in f.keys()}
     except (SafetensorError, OSError) as e:
-        raise CalibrationError(f"{path} is not a safetensors file: {str(e).splitlines()[0]}") from None
+        first_line = str(e).splitlines()[0]
+        raise CalibrationError(f"{path} is not a safetensors file: {first_line}") from None
     if meta.get("format") != FORMAT:
         raise CalibrationError(f"{path} is not a tinykv scale file (made by `tinykv calibrate`)")
-    if diff := [f"{k} {meta.get(k)} != {v}" for k, v in fingerprint(cfg).items() if meta.get(k) != v]:
-        raise CalibrationError(f"{path} was calibrated for another model ({', '.join(diff)} of this one)")
+    diff = [f"{k} {meta.get(k)} != {v}" for k, v in fingerprint(cfg).items() if meta.get(k) != v]
+    if diff:
+        raise CalibrationError(f"{path} was calibrated for another model "
+                               f"({', '.join(diff)} of this one)")
     file_spec = KVSpec.parse(meta["spec"])
     if file_spec.skip != spec.skip:
         raise CalibrationError(f"{path} was calibrated for skip={file_spec.skip or 'none'}, "
                                f"not skip={spec.skip or 'none'} (it is for '{file_spec}')")
     if not spec.needs_scales:
-        raise CalibrationError(f"--kv-scales given but KV spec '{spec}' has no static part ({path}: '{file_spec}')")
+        raise CalibrationError(f"--kv-scales given but KV spec '{spec}' has no static part "
+                               f"({path}: '{file_spec}')")
     out = {}
     for name, p, fp in (("k", spec.k, file_spec.k), ("v", spec.v, file_spec.v)):
         if not p.static:
             continue  # a dynamic or plain-cast part takes nothing from the file
         if p != fp:
-            raise CalibrationError(f"{path} holds scales for {name}={fp}, not {name}={p} (it is for '{file_spec}')")
+            raise CalibrationError(f"{path} holds scales for {name}={fp}, not {name}={p} "
+                                   f"(it is for '{file_spec}')")
         shape = (cfg.n_layers, *p.scale_shape(cfg.n_kv_heads, 1, cfg.head_dim))
-        for t in ["scale"] + ["zero"] * (not p.sym):
-            x = tensors.get(f"{name}_{t}")
-            if x is None or tuple(x.shape) != shape or not x.isfinite().all() or (t == "scale" and (x <= 0).any()):
-                raise CalibrationError(f"{path}: tensor {name}_{t} is missing, misshapen (want {shape}) or invalid")
-            out[f"{name}_{t}"] = x.float()
+        kinds = ["scale"] if p.sym else ["scale", "zero"]
+        for kind in kinds:
+            x = tensors.get(f"{name}_{kind}")
+            valid = (x is not None and tuple(x.shape) == shape and bool(x.isfinite().all())
+                     and not (kind == "scale" and bool((x <= 0).any())))
+            if not valid:
+                raise CalibrationError(f"{path}: tensor {name}_{kind} is missing, misshapen "
+                                       f"(want {shape}) or invalid")
+            out[f"{name}_{kind}"] = x.float()
     return out
 
 
 def export_vllm(scales: dict[str, torch.Tensor], spec: KVSpec, path: str | Path) -> dict:
-    """Write scales in vLLM's names and shapes (module docstring); the kv_cache_scheme entry is returned
-    and written beside them as NAME.kv_cache_scheme.json."""
+    """Write scales in vLLM's names and shapes (module docstring); the kv_cache_scheme entry is
+    returned and written beside them as NAME.kv_cache_scheme.json."""
     check_request(spec, "minmax", vllm=True)
     p, out = spec.k, {}
     for name in ("k", "v"):
         for i, s in enumerate(scales[f"{name}_scale"]):  # s: (H|1, 1, 1)
-            out[f"model.layers.{i}.self_attn.{name}_scale"] = s.float().reshape(-1 if p.gran == "tensor" else s.shape)
+            shape = (-1,) if p.gran == "tensor" else s.shape  # (1,) per tensor, (H, 1, 1) per head
+            out[f"model.layers.{i}.self_attn.{name}_scale"] = s.float().reshape(shape)
     save_file({n: t.contiguous() for n, t in out.items()}, str(path))
     scheme = {"num_bits": 8, "type": "float" if p.dtype == "fp8" else "int",
-              "strategy": "tensor" if p.gran == "tensor" else "attn_head", "dynamic": False, "symmetric": True}
-    Path(path).with_suffix(".kv_cache_scheme.json").write_text(json.dumps({"kv_cache_scheme": scheme}, indent=2))
+              "strategy": "tensor" if p.gran == "tensor" else "attn_head", "dynamic": False,
+              "symmetric": True}
+    text = json.dumps({"kv_cache_scheme": scheme}, indent=2)
+    Path(path).with_suffix(".kv_cache_scheme.json").write_text(text)
     return scheme
 
 
-def pyplot():
-    """matplotlib.pyplot on a file-only backend; a clear error when the optional extra is missing."""
+def pyplot() -> ModuleType:
+    """matplotlib.pyplot on a file-only backend; a clear error when the optional extra is
+    missing."""
     try:
         import matplotlib
     except ImportError:
@@ -244,16 +298,19 @@ def pyplot():
 
 
 def plot_channels(k: torch.Tensor, v: torch.Tensor, path: str | Path, n_layers: int = 4) -> None:
-    """PNG of per-channel absmax of keys and values (L, H, T, D) for a few layers: key outlier channels
-    (a few channels far above the rest) are why per-channel key scales beat per-token ones."""
+    """PNG of per-channel absmax of keys and values (L, H, T, D) for a few layers: key outlier
+    channels (a few channels far above the rest) are why per-channel key scales beat per-token
+    ones."""
     plt, L = pyplot(), k.shape[0]
     layers = sorted({round(i * (L - 1) / max(n_layers - 1, 1)) for i in range(n_layers)})
     fig, axes = plt.subplots(2, len(layers), figsize=(4 * len(layers), 6), squeeze=False)
     for col, layer in enumerate(layers):
         for row, (name, x) in enumerate((("keys", k), ("values", v))):
             amax = x[layer].abs().amax(1).flatten()  # (H * D,): channel c of head h at h * D + c
-            axes[row][col].bar(range(amax.numel()), amax.numpy(), width=1.0)
-            axes[row][col].set(title=f"layer {layer} {name}", xlabel="head * head_dim + channel", ylabel="absmax")
+            ax = axes[row][col]
+            ax.bar(range(amax.numel()), amax.numpy(), width=1.0)
+            ax.set(title=f"layer {layer} {name}", xlabel="head * head_dim + channel",
+                   ylabel="absmax")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

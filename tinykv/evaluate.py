@@ -2,23 +2,25 @@
 layer-by-layer attention-error report.
 
 Perplexity: the tokens are cut into non-overlapping windows of W tokens (the last one may be
-shorter). Each window is a fresh sequence in a real PagedKVCache, fed C tokens per step with logits
-for every token, so each prediction attends to keys and values exactly as the cache holds them at
-that moment (quantized, or still in full precision in a tail/residual/sink block). Within a window,
-token i + 1 is predicted from tokens 0..i; the first token of each window is not predicted. No
-context crosses a window boundary, so numbers are comparable between specs and with
+shorter). Each window is a fresh sequence in a real PagedKVCache, fed C tokens per step with
+logits for every token, so each prediction attends to keys and values exactly as the cache holds
+them at that moment (quantized, or still in full precision in a tail/residual/sink block). Within
+a window, token i + 1 is predicted from tokens 0..i; the first token of each window is not
+predicted. No context crosses a window boundary, so numbers are comparable between specs and with
 `reference_perplexity` (same windows, no cache) but not with sliding-window perplexities. C = 1 is
-exact decode; a larger C is faster, but a chunk's queries see its keys/values still unquantized in hot
-blocks (optimistic for per-block specs). fp32 storage equals the uncached model to float precision.
+exact decode; a larger C is faster, but a chunk's queries see its keys/values still unquantized in
+hot blocks (optimistic for per-block specs). fp32 storage equals the uncached model to float
+precision.
 
 Attention error: on the first window, each layer's exact post-RoPE q, k, v are recorded from the
 uncached model (so every layer sees exact inputs and the error is that layer's own). K and V are
-then stored the way the cache holds them once the whole window is written: dynamic scales per token
-or group, per block for tensor/head/channel (the partial tail block stays exact), static scales from
-the file, sink and residual blocks exact. Per layer, averaged over heads and queries:
+then stored the way the cache holds them once the whole window is written: dynamic scales per
+token or group, per block for tensor/head/channel (the partial tail block stays exact), static
+scales from the file, sink and residual blocks exact. Per layer, averaged over heads and queries:
   kl_k    KL(p || p~) between attention probabilities with exact and stored keys
   cos_k   1 - cos(o, o~) between attention outputs with stored keys only (values exact)
-  cos_v   the same with stored values only: probabilities are untouched, the error goes straight out
+  cos_v   the same with stored values only: probabilities are untouched, the error goes straight
+          out
   cos_kv  both stored, as in the cache
 """
 
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -38,7 +40,6 @@ from .calibrate import pyplot, record, spec_rotations
 from .model import Transformer
 from .quant import KVSpec, QuantParams, compute_scales, dequantize, quantize
 
-
 SAMPLE_TEXT = Path(__file__).resolve().parent / "data" / "sample.txt"  # shipped, our own prose
 
 
@@ -48,6 +49,7 @@ class EvalError(ValueError):
 
 @dataclass
 class EvalResult:
+    """One perplexity measurement under one KV spec."""
     kv: str  # the spec, canonical
     ppl: float
     nll: float  # mean negative log-likelihood per predicted token, nats
@@ -55,7 +57,8 @@ class EvalResult:
     windows: int
     window: int
     chunk: int
-    kv_bytes_per_token: float  # exact, from the pool's tensors (static scales are per layer, not counted)
+    # exact, from the pool's tensors; static scales (once per layer) are not counted
+    kv_bytes_per_token: float
     saturated: int  # values clipped by static scales
     seconds: float
 
@@ -83,33 +86,42 @@ def read_tokens(path: str | Path, model_dir: str | Path, offset: int = 0,
 
 
 def _windows(model: Transformer, tokens: list[int], window: int) -> list[list[int]]:
-    if not 2 <= window <= model.cfg.max_seq_len:
-        raise EvalError(f"window {window} must be in 2..{model.cfg.max_seq_len} (the model's context)")
-    return [w for s in range(0, len(tokens), window) if len(w := tokens[s:s + window]) >= 2]
+    """Non-overlapping windows of tokens; one too short to predict anything (< 2) is dropped."""
+    limit = model.cfg.max_seq_len
+    if not 2 <= window <= limit:
+        raise EvalError(f"window {window} must be in 2..{limit} (the model's context)")
+    windows = [tokens[start:start + window] for start in range(0, len(tokens), window)]
+    return [w for w in windows if len(w) >= 2]
 
 
 def _nll_sum(logits: torch.Tensor, targets: list[int]) -> float:
+    """Summed negative log-likelihood of targets under the first len(targets) rows of logits."""
     t = torch.tensor(targets, device=logits.device)
-    return F.cross_entropy(logits[:len(targets)].float(), t, reduction="none").double().sum().item()
+    nll = F.cross_entropy(logits[:len(targets)].float(), t, reduction="none")
+    return nll.double().sum().item()
 
 
-def perplexity(model: Transformer, cache: PagedKVCache, tokens: list[int], window: int = 1024, chunk: int = 256,
-               progress: bool = False) -> EvalResult:
+def perplexity(model: Transformer, cache: PagedKVCache, tokens: list[int], window: int = 1024,
+               chunk: int = 256, progress: bool = False) -> EvalResult:
     """Perplexity of tokens with every window fed through `cache` (see the module docstring)."""
     if chunk < 1:
         raise EvalError(f"chunk {chunk} must be >= 1")
     wins = _windows(model, tokens, window)
-    dev, t0, nll, n = next(model.parameters()).device, time.perf_counter(), 0.0, 0
-    bar = tqdm(total=sum(len(w) for w in wins), desc=f"eval {cache.spec}", unit="tok", disable=not progress)
+    dev = next(model.parameters()).device
+    t0, nll, n = time.perf_counter(), 0.0, 0
+    bar = tqdm(total=sum(len(w) for w in wins), desc=f"eval {cache.spec}", unit="tok",
+               disable=not progress)
     for win in wins:
         cache.add_sequence(0)
-        for s in range(0, len(win), chunk):
-            feed = win[s:s + chunk]
+        for start in range(0, len(win), chunk):
+            feed = win[start:start + chunk]
             plan = cache.plan([0], [feed], logits="all")
             logits = model(torch.tensor(feed, device=dev), plan)  # (len(feed), V)
             cache.commit(plan)
-            targets = win[s + 1:s + chunk + 1]  # the next token of each fed one, inside the window
-            nll, n = nll + _nll_sum(logits, targets), n + len(targets)
+            # the next token of each fed one, inside the window
+            targets = win[start + 1:start + chunk + 1]
+            nll += _nll_sum(logits, targets)
+            n += len(targets)
             bar.update(len(feed))
         cache.free(0)
     bar.close()
@@ -122,10 +134,12 @@ def perplexity(model: Transformer, cache: PagedKVCache, tokens: list[int], windo
 
 def reference_perplexity(model: Transformer, tokens: list[int], window: int = 1024) -> float:
     """The same windows through the uncached model: what an fp32 cache must reproduce."""
-    dev, nll, n = next(model.parameters()).device, 0.0, 0
+    dev = next(model.parameters()).device
+    nll, n = 0.0, 0
     for win in _windows(model, tokens, window):
         logits = model(torch.tensor([win], device=dev))[0]
-        nll, n = nll + _nll_sum(logits, win[1:]), n + len(win) - 1
+        nll += _nll_sum(logits, win[1:])
+        n += len(win) - 1
     return math.exp(nll / n)
 
 
@@ -133,33 +147,42 @@ def reference_perplexity(model: Transformer, tokens: list[int], window: int = 10
 def _exact_mask(T: int, spec: KVSpec, bs: int) -> torch.Tensor:
     """(T,) True where the cache still holds a token in full precision once T tokens are written."""
     j = torch.arange(T) // bs  # logical block of each token
-    sink = j < math.ceil(spec.sink / bs)
-    residual = (j + 1) * bs > T - spec.residual if spec.residual else torch.zeros(T, dtype=torch.bool)
-    tail = j >= T // bs if (spec.k.block_wise or spec.v.block_wise) else torch.zeros(T, dtype=torch.bool)
-    return sink | residual | tail
+    exact = j < math.ceil(spec.sink / bs)  # sink blocks
+    if spec.residual:  # the blocks of the residual window
+        exact |= (j + 1) * bs > T - spec.residual
+    if spec.k.block_wise or spec.v.block_wise:  # the partial tail block, awaiting its scales
+        exact |= j >= T // bs
+    return exact
 
 
 def as_stored(x: torch.Tensor, p: QuantParams, bs: int = 16, scale: torch.Tensor | None = None,
               zero: torch.Tensor | None = None) -> torch.Tensor:
-    """x (H, T, D) quantized and dequantized as the cache's store pool would (ignoring hot blocks)."""
+    """x (H, T, D) quantized and dequantized as the cache's store pool would (ignoring hot
+    blocks)."""
     if p.is_float:
         return x.to(p.storage_dtype).float()
+
+    def roundtrip(y: torch.Tensor, s: torch.Tensor | None, z: torch.Tensor | None) -> torch.Tensor:
+        codes, _ = quantize(y, p, s, z, count=False)
+        return dequantize(codes, p, s, z)
+
     if p.static:
-        return dequantize(quantize(x, p, scale, zero, count=False)[0], p, scale, zero)
+        return roundtrip(x, scale, zero)
     if not p.block_wise:  # per token (or per group of a token): scales from the token alone
-        s, z = compute_scales(x, p)
-        return dequantize(quantize(x, p, s, z, count=False)[0], p, s, z)
+        return roundtrip(x, *compute_scales(x, p))
     H, T, D = x.shape
     nb = T // bs  # scales per full block; the partial tail has none yet (it stays exact)
     xb = x[:, :nb * bs].reshape(H, nb, bs, D).transpose(0, 1)  # (nb, H, bs, D)
-    s, z = compute_scales(xb, p)
-    y = dequantize(quantize(xb, p, s, z, count=False)[0], p, s, z).transpose(0, 1).reshape(H, nb * bs, D)
+    y = roundtrip(xb, *compute_scales(xb, p))
+    y = y.transpose(0, 1).reshape(H, nb * bs, D)
     return torch.cat([y, x[:, nb * bs:]], 1)
 
 
 def attention_error(model: Transformer, tokens: list[int], spec: KVSpec, block_size: int = 16,
-                    static_scales: dict[str, torch.Tensor] | None = None) -> list[dict[str, float]]:
-    """Per layer: kl_k, cos_k, cos_v, cos_kv over the first window `tokens` (see the module docstring)."""
+                    static_scales: dict[str, torch.Tensor] | None = None
+                    ) -> list[dict[str, float]]:
+    """Per layer: kl_k, cos_k, cos_v, cos_kv over the first window `tokens` (see the module
+    docstring)."""
     rotations = spec_rotations(model, spec)  # errors are measured where the cache stores: rotated
     rec = record(model, tokens, window=len(tokens), keep_q=True, rotations=rotations)
     Q, K, V = (rec.stacked(w) for w in "qkv")  # (L, heads, T, D)
@@ -171,25 +194,41 @@ def attention_error(model: Transformer, tokens: list[int], spec: KVSpec, block_s
     out = []
 
     def stored(x: torch.Tensor, p: QuantParams, name: str, layer: int) -> torch.Tensor:
+        """x (H, T, D) as the cache holds it, repeated for the query heads: (Hq, T, D)."""
         if layer in skipped:  # kept at the model's dtype
             return x.repeat_interleave(n_rep, 0)
-        pick = lambda t: None if static_scales is None or t not in static_scales else static_scales[t][layer]
-        y = as_stored(x, p, block_size, pick(f"{name}_scale"), pick(f"{name}_zero"))
-        return torch.where(exact, x, y).repeat_interleave(n_rep, 0)  # (Hq, T, D)
+        scales = static_scales or {}
+        scale, zero = scales.get(f"{name}_scale"), scales.get(f"{name}_zero")
+        if scale is not None:
+            scale = scale[layer]
+        if zero is not None:
+            zero = zero[layer]
+        y = as_stored(x, p, block_size, scale, zero)
+        return torch.where(exact, x, y).repeat_interleave(n_rep, 0)
 
     def one_minus_cos(a: torch.Tensor, b: torch.Tensor) -> float:
         return (1 - F.cosine_similarity(a, b, dim=-1)).mean().item()
 
+    def log_probs(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """Causal attention log-probabilities of q over k (Hq, T, D) each: (Hq, T, T)."""
+        scores = (q @ k.transpose(1, 2)) * sm
+        return scores.masked_fill(~causal, float("-inf")).log_softmax(-1)
+
     for layer in range(K.shape[0]):
-        q, k, v = Q[layer], K[layer].repeat_interleave(n_rep, 0), V[layer].repeat_interleave(n_rep, 0)
-        kq, vq = stored(K[layer], spec.k, "k", layer), stored(V[layer], spec.v, "v", layer)
-        logp, logpq = ((q @ kk.transpose(1, 2) * sm).masked_fill(~causal, float("-inf")).log_softmax(-1)
-                       for kk in (k, kq))  # (Hq, T, T)
-        p, pq = logp.exp(), logpq.exp()
-        kl = (p * (logp - logpq)).masked_fill(~causal, 0.0).sum(-1)  # (Hq, T); masked: 0 * nan
-        o = p @ v
-        out.append({"layer": layer, "kl_k": kl.mean().item(), "cos_k": one_minus_cos(pq @ v, o),
-                    "cos_v": one_minus_cos(p @ vq, o), "cos_kv": one_minus_cos(pq @ vq, o)})
+        q = Q[layer]  # (Hq, T, D)
+        k = K[layer].repeat_interleave(n_rep, 0)  # exact keys and values, (Hq, T, D)
+        v = V[layer].repeat_interleave(n_rep, 0)
+        k_st = stored(K[layer], spec.k, "k", layer)  # as stored, (Hq, T, D)
+        v_st = stored(V[layer], spec.v, "v", layer)
+        logp, logp_st = log_probs(q, k), log_probs(q, k_st)  # (Hq, T, T)
+        probs, probs_st = logp.exp(), logp_st.exp()
+        # (Hq, T); masked out where 0 * (-inf - -inf) is NaN
+        kl = (probs * (logp - logp_st)).masked_fill(~causal, 0.0).sum(-1)
+        o = probs @ v
+        out.append({"layer": layer, "kl_k": kl.mean().item(),
+                    "cos_k": one_minus_cos(probs_st @ v, o),
+                    "cos_v": one_minus_cos(probs @ v_st, o),
+                    "cos_kv": one_minus_cos(probs_st @ v_st, o)})
     return out
 
 
@@ -200,8 +239,10 @@ def plot_sweep(results: list[EvalResult], path: str | Path) -> None:
     fig, ax = plt.subplots(figsize=(8, 5))
     ax.scatter([r.kv_bytes_per_token for r in results], [r.ppl for r in results])
     for r in results:
-        ax.annotate(r.kv, (r.kv_bytes_per_token, r.ppl), fontsize=7, xytext=(4, 4), textcoords="offset points")
-    ax.set(xscale="log", xlabel="KV bytes per token", ylabel=f"perplexity (windows of {results[0].window})")
+        ax.annotate(r.kv, (r.kv_bytes_per_token, r.ppl), fontsize=7, xytext=(4, 4),
+                    textcoords="offset points")
+    ax.set(xscale="log", xlabel="KV bytes per token",
+           ylabel=f"perplexity (windows of {results[0].window})")
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -44,16 +44,20 @@ class OffloadError(RuntimeError):
 
 
 class HostTier:
-    """Blocks in CPU memory (pinned when the device is CUDA): same tensors as the device pool, NB -> n."""
+    """Blocks in CPU memory (pinned when the device is CUDA): the same tensors as the device pool,
+    (L, NB, ...) -> (L, n, ...)."""
 
     def __init__(self, like: list[torch.Tensor], n: int, pin: bool):
-        self.t = [torch.zeros((x.shape[0], n, *x.shape[2:]), dtype=x.dtype, pin_memory=pin) for x in like]
+        self.t = [torch.zeros((x.shape[0], n, *x.shape[2:]), dtype=x.dtype, pin_memory=pin)
+                  for x in like]
 
     def put(self, i: int, src: list[torch.Tensor], b: int) -> None:
+        """Block b of the tensors src (all layers) into slot i."""
         for dst, s in zip(self.t, src):
             dst[:, i].copy_(s[:, b])
 
     def get(self, i: int, dst: list[torch.Tensor], b: int) -> None:
+        """Slot i into block b of the tensors dst (all layers)."""
         for s, d in zip(self.t, dst):
             d[:, b].copy_(s[:, i], non_blocking=True)
 
@@ -65,7 +69,8 @@ class HostTier:
 
 
 class DiskTier:
-    """Blocks in one file, memory-mapped as raw bytes; a CRC32 per (tensor, layer, block) guards reads."""
+    """Blocks in one file, memory-mapped as raw bytes; a CRC32 per (tensor, layer, block) guards
+    reads."""
 
     def __init__(self, like: list[torch.Tensor], n: int, directory: str | Path):
         directory = Path(directory)
@@ -100,25 +105,29 @@ class DiskTier:
             raise OffloadError(f"KV disk tier file {self.path} is missing or truncated")
 
     def put(self, i: int, src: list[torch.Tensor], b: int) -> None:
-        for k, (v, s) in enumerate(zip(self.views, src)):
-            raw = s[:, b].contiguous().cpu().view(torch.uint8).reshape(s.shape[0], -1).numpy()
-            v[:, i] = raw
+        """Block b of the tensors src (all layers) into slot i, with its checksums."""
+        for ti, (view, t) in enumerate(zip(self.views, src)):
+            raw = t[:, b].contiguous().cpu().view(torch.uint8).reshape(t.shape[0], -1).numpy()
+            view[:, i] = raw  # (L, bytes of one layer's block)
             for layer in range(raw.shape[0]):
-                self.crc[k, layer, i] = zlib.crc32(raw[layer].tobytes())
+                self.crc[ti, layer, i] = zlib.crc32(raw[layer].tobytes())
         self.mm.flush()
 
-    def _rows(self, k: int, layer: int, ids: list[int]) -> torch.Tensor:
+    def _rows(self, ti: int, layer: int, ids: list[int]) -> torch.Tensor:
+        """Slots ids of tensor ti's layer, checked: (len(ids), ...) in the tensor's dtype."""
         self._check_file()
-        raw = np.ascontiguousarray(self.views[k][layer, ids])
-        for r, i in zip(raw, ids):
-            if zlib.crc32(r.tobytes()) != self.crc[k, layer, i]:
-                raise OffloadError(f"KV disk tier file {self.path} was altered (block {i}, layer {layer})")
-        shape = (len(ids), *self.shapes[k][2:])
-        return torch.from_numpy(raw).view(self.dtypes[k]).reshape(shape)
+        raw = np.ascontiguousarray(self.views[ti][layer, ids])
+        for row, i in zip(raw, ids):
+            if zlib.crc32(row.tobytes()) != self.crc[ti, layer, i]:
+                raise OffloadError(f"KV disk tier file {self.path} was altered "
+                                   f"(block {i}, layer {layer})")
+        shape = (len(ids), *self.shapes[ti][2:])
+        return torch.from_numpy(raw).view(self.dtypes[ti]).reshape(shape)
 
     def get(self, i: int, dst: list[torch.Tensor], b: int) -> None:
-        for k, d in enumerate(dst):
-            rows = torch.stack([self._rows(k, layer, [i])[0] for layer in range(d.shape[0])])
+        """Slot i into block b of the tensors dst (all layers)."""
+        for ti, d in enumerate(dst):
+            rows = torch.stack([self._rows(ti, layer, [i])[0] for layer in range(d.shape[0])])
             d[:, b].copy_(rows)
 
     def read_into(self, rows: list[tuple[int, int]], ids: torch.Tensor,
@@ -128,27 +137,34 @@ class DiskTier:
             out.copy_(self._rows(ti, layer, ids.tolist()))
 
     def close(self) -> None:
+        """Unmap and delete the file."""
         del self.views, self.mm
         self.path.unlink(missing_ok=True)
 
 
 class Stager:
-    """Two fixed staging buffers on the device: chunk i+1 is copied into one while chunk i is attended in
-    the other. On CUDA the rows are first gathered into pinned host memory and copied on a side stream;
-    events order each copy after the attention that last read its buffer, and each attention after its
-    copy. Elsewhere (CPU) the copies are plain, but the slots alternate the same way."""
+    """Two fixed staging buffers on the device: chunk i+1 is copied into one while chunk i is
+    attended in the other. On CUDA the rows are first gathered into pinned host memory and copied
+    on a side stream; events order each copy after the attention that last read its buffer, and
+    each attention after its copy. Elsewhere (CPU) the copies are plain, but the slots alternate
+    the same way."""
 
     def __init__(self, like: list[torch.Tensor], n: int, device: torch.device):
         self.cuda = device.type == "cuda"
-        shapes = [((n, *t.shape[2:]), t.dtype) for t in like]
+        shapes = [((n, *t.shape[2:]), t.dtype) for t in like]  # n blocks of one layer
         self.dev = [[torch.zeros(s, dtype=d, device=device) for s, d in shapes] for _ in range(2)]
-        self.host = [[torch.zeros(s, dtype=d, pin_memory=True) for s, d in shapes] for _ in range(2)] \
-            if self.cuda else self.dev
+        self.host = self.dev
+        if self.cuda:
+            self.host = [[torch.zeros(s, dtype=d, pin_memory=True) for s, d in shapes]
+                         for _ in range(2)]
         self.stream = torch.cuda.Stream(device) if self.cuda else None
-        self.copied: list = [None, None]  # per slot: the copy stream is done with it (host side free, data ready)
-        self.read: list = [None, None]  # per slot: attention has finished reading the device buffer
+        # per slot: the copy stream is done with it (host side free, data ready)
+        self.copied: list = [None, None]
+        # per slot: attention has finished reading the device buffer
+        self.read: list = [None, None]
 
-    def fill(self, slot: int, n: int, gather, which: list[int]) -> list[torch.Tensor]:
+    def fill(self, slot: int, n: int, gather: Callable[[list[torch.Tensor]], None],
+             which: list[int]) -> list[torch.Tensor]:
         """gather(host buffers) writes n rows into the buffers of tensors `which`; returns those
         device buffers (data in flight on CUDA)."""
         dev = [self.dev[slot][i] for i in which]
@@ -168,8 +184,9 @@ class Stager:
             self.copied[slot].record(self.stream)
         return dev
 
-    def attend(self, slot: int, fn, *args):
-        """fn(*args), an attention over the slot's buffers, once their copy has landed; note when it is done."""
+    def attend(self, slot: int, fn: Callable[..., tuple], *args: object) -> tuple:
+        """fn(*args), an attention over the slot's buffers, once their copy has landed; note when
+        it is done."""
         if not self.cuda:
             return fn(*args)
         torch.cuda.current_stream().wait_event(self.copied[slot])
@@ -257,10 +274,12 @@ class Offloader:
         return parts
 
     def _fill(self, slot: int, layer: int, ids: dict[int, list[int]]) -> list[torch.Tensor]:
+        """Start staging one chunk (ids per tier) of one layer into a slot's buffers."""
         n = sum(len(x) for x in ids.values())
 
         def gather(outs: list[torch.Tensor]) -> None:
             self._gather(layer, ids, outs)
+
         which = [ti for ti, _ in self.layer_rows(layer)]
         return self.stager.fill(slot, n, gather, which)
 
@@ -282,5 +301,6 @@ class Offloader:
             at += len(lst)
 
     def close(self) -> None:
+        """Delete the disk tier's file, if there is one."""
         if DISK in self.tiers:
             self.tiers[DISK].close()
