@@ -1,8 +1,9 @@
-"""Tests for tinykv/kernels_triton.py: the Triton kernels against their torch references (kernels.py).
+"""Tests for tinykv/kernels_triton.py: the Triton kernels against their torch references.
 
-Without a GPU the kernels run in Triton's interpreter, so shapes are small and the grid of cases is a
-curated list that covers every axis (formats, granularities, group sizes, head dims, block sizes,
-context lengths, splits, holes, chunked prefill) without taking their full cross product.
+Without a GPU the kernels run in Triton's interpreter, so shapes are small and the grid of cases
+is a curated list that covers every axis (formats, granularities, group sizes, head dims, block
+sizes, context lengths, splits, holes, chunked prefill) without taking their full cross product.
+That the same kernels compile for real GPUs is test_kernels_aot.py's part.
 """
 
 import os
@@ -10,8 +11,10 @@ import sys
 
 import torch
 
-# Triton reads TRITON_INTERPRET when it decorates a kernel, its own library's included: before any import.
-TOO_LATE = not torch.cuda.is_available() and "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
+# Triton reads TRITON_INTERPRET when it decorates a kernel, its own library's included: before
+# any import.
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+TOO_LATE = not torch.cuda.is_available() and "triton" in sys.modules and not INTERPRET
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -19,13 +22,18 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 if TOO_LATE:
-    pytest.skip("triton was imported before TRITON_INTERPRET=1 was set: set it in the environment or a "
-                "conftest.py to run the kernels on the CPU", allow_module_level=True)
+    pytest.skip("triton was imported before TRITON_INTERPRET=1 was set: set it in the "
+                "environment or a conftest.py to run the kernels on the CPU",
+                allow_module_level=True)
 
 from pools import ATTN_CASES, DEV, make_batch, make_pool  # noqa: E402
 
 from tinykv.kernels import merge_partials, paged_attention_ref, quantize_store_ref  # noqa: E402
-from tinykv.kernels_triton import paged_attention_triton, quantize_store_triton  # noqa: E402
+from tinykv.kernels_triton import (  # noqa: E402
+    blocks_per_iter,
+    paged_attention_triton,
+    quantize_store_triton,
+)
 from tinykv.quant import QuantParams  # noqa: E402
 
 
@@ -36,17 +44,32 @@ def test_attention_matches_reference(kspec, vspec, n_rep, D, BS):
     k, v = make_pool(kspec, H, BS, D, gen), make_pool(vspec, H, BS, D, gen)
     q, q_seq, q_pos, table, ctx = make_batch(BS, H * n_rep, D, gen)
     o_ref, lse_ref = paged_attention_ref(q, q_seq, q_pos, k, v, table, ctx, D**-0.5)
-    assert torch.isinf(lse_ref[-1]).all() and lse_ref[:-1].isfinite().all()  # the batch is what we meant
+    assert torch.isinf(lse_ref[-1]).all() and lse_ref[:-1].isfinite().all()  # the batch we meant
     for splits in (1, 3):  # 3 splits: some empty (context 1), some holding only the hole
-        o, lse = paged_attention_triton(q, q_seq, q_pos, k, v, table, ctx, D**-0.5, num_splits=splits)
-        assert o.dtype == lse.dtype == torch.float32 and o.shape == q.shape and lse.shape == q.shape[:2]
+        o, lse = paged_attention_triton(q, q_seq, q_pos, k, v, table, ctx, D**-0.5,
+                                        num_splits=splits)
+        assert o.dtype == lse.dtype == torch.float32
+        assert o.shape == q.shape and lse.shape == q.shape[:2]
         torch.testing.assert_close(o, o_ref, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(lse, lse_ref, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("kspec,vspec,BS", [("int4:asym", "int8", 8), ("fp16", "int2:g16", 24)])
+def test_attention_small_and_odd_blocks(kspec, vspec, BS):
+    """Blocks below 16 tokens or of no power of two: one iteration spans several padded blocks."""
+    gen = torch.Generator().manual_seed(BS)
+    k, v = make_pool(kspec, 2, BS, 64, gen), make_pool(vspec, 2, BS, 64, gen)
+    q, q_seq, q_pos, table, ctx = make_batch(BS, 6, 64, gen)
+    assert blocks_per_iter(BS) > 1
+    o_ref, lse_ref = paged_attention_ref(q, q_seq, q_pos, k, v, table, ctx, 0.125)
+    o, lse = paged_attention_triton(q, q_seq, q_pos, k, v, table, ctx, 0.125, num_splits=2)
+    torch.testing.assert_close(o, o_ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(lse, lse_ref, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("q_dtype", [torch.float16, torch.bfloat16])
 def test_attention_half_queries(q_dtype):
-    """Half-precision queries take tl.dot's tensor-core path: K, V and p are rounded to q's dtype."""
+    """Half-precision queries take tl.dot's tensor-core path: K, V and p round to q's dtype."""
     gen = torch.Generator().manual_seed(7)
     k, v = make_pool("int8", 2, 16, 64, gen), make_pool("int4:asym", 2, 16, 64, gen)
     q, q_seq, q_pos, table, ctx = make_batch(16, 8, 64, gen, q_dtype)
@@ -58,8 +81,8 @@ def test_attention_half_queries(q_dtype):
 
 
 def test_two_pools_merge():
-    """cache.attend's pattern: a quantized store pool and a full-precision hot pool with complementary
-    tables, merged with merge_partials, equal the reference over everything."""
+    """cache.attend's pattern: a quantized store pool and a full-precision hot pool with
+    complementary tables, merged with merge_partials, equal the reference over everything."""
     gen = torch.Generator().manual_seed(3)
     BS, D, H = 16, 64, 2
     store = (make_pool("int4:g16:asym", H, BS, D, gen), make_pool("int8", H, BS, D, gen))
@@ -70,8 +93,9 @@ def test_two_pools_merge():
     args = (q_seq, q_pos)
     ref = merge_partials([paged_attention_ref(q, *args, *store, t_store, ctx, 0.125),
                           paged_attention_ref(q, *args, *hot, t_hot, ctx, 0.125)])
-    out = merge_partials([paged_attention_triton(q, *args, *store, t_store, ctx, 0.125, num_splits=2),
-                          paged_attention_triton(q, *args, *hot, t_hot, ctx, 0.125)])
+    out = merge_partials([
+        paged_attention_triton(q, *args, *store, t_store, ctx, 0.125, num_splits=2),
+        paged_attention_triton(q, *args, *hot, t_hot, ctx, 0.125)])
     for a, b in zip(out, ref, strict=True):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
@@ -87,10 +111,11 @@ def test_attention_empty():
         assert (o == 0).all() and torch.isneginf(lse).all()
 
 
-# ---- quantize-and-store ---------------------------------------------------------------------------------
+# ---- quantize-and-store -------------------------------------------------------------------------
 STORE_CASES = [
     ("fp32", 64), ("fp16", 80), ("bf16", 128),
-    ("int8", 64), ("int8:asym", 80), ("int4", 128), ("int4:asym", 64), ("int2", 80), ("int2:asym", 128),
+    ("int8", 64), ("int8:asym", 80), ("int4", 128), ("int4:asym", 64), ("int2", 80),
+    ("int2:asym", 128),
     ("int4:g16", 64), ("int8:g16:asym", 80), ("int2:g8:asym", 64), ("int4:g32:asym", 128),
     ("fp8:token", 80), ("fp8:g16", 64),
     ("int8:head:static", 64), ("int4:channel:static:asym", 80), ("int2:tensor:static", 128),
@@ -103,9 +128,10 @@ def store_inputs(p: QuantParams, D: int, gen: torch.Generator):
     x = torch.randn(n, H, D, generator=gen) * torch.logspace(-3, 2, D)
     x[0, 0, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0])
     x[1, 1] = 0.0  # an all-zero token: smallest scale
-    x[2] = torch.randint(-40, 40, (H, D), generator=gen) / 4  # ties, with the power-of-two static scales
+    x[2] = torch.randint(-40, 40, (H, D), generator=gen) / 4  # ties, with power-of-two scales
     x[3, 0] = 1e6  # saturates static scales
-    blk, off = torch.tensor([2, 0, 3, 2, 1, 0, 3, 1, 2]), torch.tensor([5, 15, 0, 6, 9, 0, 15, 1, 7])
+    blk = torch.tensor([2, 0, 3, 2, 1, 0, 3, 1, 2])
+    off = torch.tensor([5, 15, 0, 6, 9, 0, 15, 1, 7])
     data = torch.zeros(4, H, BS, D // p.per_byte, dtype=p.storage_dtype)
     scale = zero = None
     if p.static:
@@ -115,25 +141,39 @@ def store_inputs(p: QuantParams, D: int, gen: torch.Generator):
     elif not p.is_float:
         scale = torch.zeros(4, *p.scale_shape(H, BS, D), dtype=torch.float16)
         zero = None if p.sym else torch.zeros_like(scale)
-    to = lambda t: None if t is None else t.to(DEV)
-    x = x.to(torch.float16 if p.dtype == "fp16" else torch.bfloat16 if p.gran == "group" and p.sym else torch.float32)
-    return to(x), p, to(data), to(scale), to(zero), to(blk), to(off)
+    if p.dtype == "fp16":
+        x = x.half()
+    elif p.gran == "group" and p.sym:
+        x = x.bfloat16()
+    return x.to(DEV), p, data.to(DEV), _to_dev(scale), _to_dev(zero), blk.to(DEV), off.to(DEV)
+
+
+def _to_dev(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.to(DEV)
+
+
+def _clone(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.clone()
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bit patterns, so that NaN and -0.0 compare exactly."""
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.dtype.itemsize])
 
 
 @pytest.mark.parametrize("spec,D", STORE_CASES)
 def test_quantize_store_matches_reference(spec, D):
     p = QuantParams.parse(spec)
     x, p, data, scale, zero, blk, off = store_inputs(p, D, torch.Generator().manual_seed(D))
-    clone = lambda t: None if t is None else t.clone()
-    ref = (clone(data), clone(scale), clone(zero))
+    ref = (_clone(data), _clone(scale), _clone(zero))
     n_ref = quantize_store_ref(x, p, *ref, blk, off)
     n_sat = quantize_store_triton(x, p, data, scale, zero, blk, off)
-    bits = lambda t: t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.dtype.itemsize])
-    if p.dtype == "bf16" and os.environ.get("TRITON_INTERPRET") == "1":
-        # The interpreter casts fp32 -> bf16 by truncation; GPUs round to nearest even, as torch does.
-        torch.testing.assert_close(data.float(), ref[0].float(), rtol=2**-7, atol=0, equal_nan=True)
+    if p.dtype == "bf16" and INTERPRET:
+        # The interpreter casts fp32 -> bf16 by truncation; GPUs round to nearest even, as torch.
+        torch.testing.assert_close(data.float(), ref[0].float(), rtol=2**-7, atol=0,
+                                   equal_nan=True)
     else:
-        assert torch.equal(bits(data), bits(ref[0])), "codes differ"  # bit-exact, NaN and -0.0 included
+        assert torch.equal(_bits(data), _bits(ref[0])), "codes differ"  # NaN and -0.0 included
     for got, want in zip((scale, zero), ref[1:], strict=True):
         assert got is None or torch.equal(got, want)
     assert int(n_sat) == int(n_ref)
