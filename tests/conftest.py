@@ -1,6 +1,7 @@
 """Shared pytest fixtures: the default model (SmolLM2-135M-Instruct) and its reference outputs.
 
-The model is fetched once, into tinykv's default weights folder, so later runs (and `run.py`) reuse it.
+The model is fetched once, into tinykv's default weights folder, so later runs (and `run.py`)
+reuse it.
 """
 
 import json
@@ -22,7 +23,8 @@ GOLDENS = Path(__file__).resolve().parent / "goldens" / "smollm2.json"
 
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
-    """The converted model folder (config.json, model.safetensors, tokenizer files, the GGUF copy)."""
+    """The converted model folder (config.json, model.safetensors, tokenizer files, the GGUF
+    copy)."""
     return fetch(DEFAULT_DIR)
 
 

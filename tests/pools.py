@@ -1,4 +1,5 @@
-"""Random paged K/V pools and query batches, stored as the cache stores them (shared by kernel tests)."""
+"""Random paged K/V pools and query batches, stored as the cache stores them (shared by kernel
+tests)."""
 
 import torch
 
@@ -11,9 +12,11 @@ NB = 24  # physical blocks per pool
 
 def make_pool(spec: str, H: int, BS: int, D: int, gen: torch.Generator) -> PoolLayer:
     """A pool of NB random blocks stored as the cache stores them: per-token/group scales per slot,
-    block-wise scales per block, static scales computed over the whole pool (shape (1, H|1, 1, G))."""
+    block-wise scales per block, static scales computed over the whole pool (shape
+    (1, H|1, 1, G))."""
     p = QuantParams.parse(spec)
-    x = torch.randn(NB, H, BS, D, generator=gen) * (1 + torch.rand(1, 1, 1, D, generator=gen) * 3)
+    channel_scale = 1 + torch.rand(1, 1, 1, D, generator=gen) * 3
+    x = torch.randn(NB, H, BS, D, generator=gen) * channel_scale  # (NB, H, BS, D)
     x += torch.randn(1, H, 1, D, generator=gen)  # channel offsets, as real keys have
     if p.is_float:
         return PoolLayer(x.to(p.storage_dtype).to(DEV), None, None, p)
@@ -27,8 +30,9 @@ def make_pool(spec: str, H: int, BS: int, D: int, gen: torch.Generator) -> PoolL
 
 
 def make_batch(BS: int, Hq: int, D: int, gen: torch.Generator, q_dtype=torch.float32):
-    """Rows with context 1, BS-1, BS+1 (a causal chunk of 3 queries), 5 blocks with a -1 hole, and a
-    row held entirely elsewhere (all -1). q is a strided view, as a slice of a fused qkv would be."""
+    """Rows with context 1, BS-1, BS+1 (a causal chunk of 3 queries), 5 blocks with a -1 hole, and
+    a row held entirely elsewhere (all -1). q is a strided view, as a slice of a fused qkv would
+    be."""
     ctx = [1, BS - 1, BS + 1, 4 * BS + 5, 2 * BS]
     ids = torch.randperm(NB, generator=gen).tolist()
     table = torch.full((5, 5), -1, dtype=torch.int32)
@@ -48,10 +52,12 @@ ATTN_CASES = [
     ("fp32", "fp32", 1, 64, 16),
     ("fp16", "bf16", 3, 80, 32),
     ("int8", "int8", 4, 128, 16),  # per-token scales
-    ("int4:channel:asym", "int4:g32:asym", 8, 64, 64),  # KIVI: per-channel-per-block keys, group values
+    # KIVI: per-channel-per-block keys, group values
+    ("int4:channel:asym", "int4:g32:asym", 8, 64, 64),
     ("int2:asym", "int2:g16", 3, 64, 16),
     ("fp8", "fp8:token", 4, 80, 16),  # block-wise (NB, 1, 1, 1) and per-token fp8 scales
-    ("int8:head:static", "int4:tensor:static:asym", 1, 128, 32),  # static (1, H, 1, 1) and (1, 1, 1, 1)
+    # static (1, H, 1, 1) and (1, 1, 1, 1)
+    ("int8:head:static", "int4:tensor:static:asym", 1, 128, 32),
     ("int4:channel:static", "fp16", 8, 80, 16),
     ("int8:g16:asym", "fp8:head", 3, 128, 64),
     ("int2:channel:asym", "int8:asym", 1, 80, 32),

@@ -1,4 +1,5 @@
-"""Allocator invariants under random allocate / append / fork / free sequences (hypothesis state machine)."""
+"""Allocator invariants under random allocate / append / fork / free sequences (a hypothesis state
+machine)."""
 
 import torch
 from hypothesis import settings
@@ -13,6 +14,10 @@ from tinykv.quant import KVSpec
 CFG = Config(vocab_size=64, dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=32)
 
 
+def has_sequences(machine: "CacheMachine") -> bool:
+    return bool(machine.truth)
+
+
 class CacheMachine(RuleBasedStateMachine):
     """Tokens are written as K = V = token id, so every slot says which token it holds."""
 
@@ -23,6 +28,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.next_id = 0
 
     def _append(self, sid, toks):
+        """Write toks to sequence sid through a plan, as the model would."""
         plan = self.cache.plan([sid], [toks])
         kv = torch.tensor(toks, dtype=torch.float32)[:, None, None].expand(-1, 1, CFG.head_dim)
         self.cache.pools.write(0, kv, kv, plan.slots)
@@ -41,7 +47,7 @@ class CacheMachine(RuleBasedStateMachine):
             self.cache.free(sid)
             del self.truth[sid]
 
-    @precondition(lambda self: self.truth)
+    @precondition(has_sequences)
     @rule(data=st.data(), n=st.integers(1, 6))
     def append(self, data, n):
         sid = data.draw(st.sampled_from(sorted(self.truth)))
@@ -50,7 +56,7 @@ class CacheMachine(RuleBasedStateMachine):
         except PoolExhausted:
             pass
 
-    @precondition(lambda self: self.truth)
+    @precondition(has_sequences)
     @rule(data=st.data())
     def fork(self, data):
         src = data.draw(st.sampled_from(sorted(self.truth)))
@@ -58,7 +64,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.cache.fork(src, dst)
         self.truth[dst] = list(self.truth[src])
 
-    @precondition(lambda self: self.truth)
+    @precondition(has_sequences)
     @rule(data=st.data())
     def free(self, data):
         sid = data.draw(st.sampled_from(sorted(self.truth)))
@@ -70,8 +76,8 @@ class CacheMachine(RuleBasedStateMachine):
         for pool in (STORE, HOT):
             counts = [0] * len(self.cache.tables.alloc[pool].ref)
             for s in self.cache.tables.seqs.values():
-                for p, b in s.blocks:
-                    if p == pool:
+                for where, b in s.blocks:
+                    if where == pool:
                         counts[b] += 1
             assert counts == self.cache.tables.alloc[pool].ref
             free = set(self.cache.tables.alloc[pool].free)

@@ -22,21 +22,23 @@ GRANS = ("token", "g4", "channel", "head", "tensor")
 FAST = settings(max_examples=60, deadline=None)
 
 
-def expand(s: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def expand(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """A scale/zero of shape (..., H|1, T|1, G) broadcast to x's (..., H, T, D), per element."""
-    return s.float().repeat_interleave(x.shape[-1] // s.shape[-1], -1).expand_as(x)
+    return t.float().repeat_interleave(x.shape[-1] // t.shape[-1], -1).expand_as(x)
 
 
 def group_reduce(x: torch.Tensor, gran: str, fn) -> torch.Tensor:
     """Reference reduction of x (..., H, T, D) over each element's scale group, per element."""
     if gran.startswith("g"):
         n = int(gran[1:])
-        return fn(x.unflatten(-1, (-1, n)), -1, keepdim=True).expand(*x.shape[:-1], -1, n).flatten(-2)
+        groups = x.unflatten(-1, (-1, n))  # (..., H, T, G, n)
+        return fn(groups, -1, keepdim=True).expand(*x.shape[:-1], -1, n).flatten(-2)
     dims = {"token": (-1,), "channel": (-2,), "head": (-2, -1), "tensor": (-3, -2, -1)}[gran]
     return fn(x, dims, keepdim=True).expand_as(x)
 
 
 def roundtrip(x, p, **kw):
+    """Dynamic scales, quantize, dequantize: (scale, zero, stored, n_saturated, dequantized)."""
     scale, zero = compute_scales(x, p, **kw)
     stored, n_sat = quantize(x, p, scale, zero)
     return scale, zero, stored, n_sat, dequantize(stored, p, scale, zero)
@@ -44,15 +46,18 @@ def roundtrip(x, p, **kw):
 
 @st.composite
 def tensors(draw, finite=True):
-    """Small (B?, H, T, D) tensors: hypothesis floats (ties, zeros, denormals, huge) or scaled randn."""
-    shape = (*draw(st.sampled_from([(), (2,)])), draw(st.integers(1, 3)), draw(st.integers(1, 4)),
+    """Small (B?, H, T, D) tensors: hypothesis floats (ties, zeros, denormals, huge) or scaled
+    randn."""
+    batch = draw(st.sampled_from([(), (2,)]))
+    shape = (*batch, draw(st.integers(1, 3)), draw(st.integers(1, 4)),
              draw(st.sampled_from([4, 8, 16])))
     n = torch.Size(shape).numel()
     if draw(st.booleans()):
         vals = draw(st.lists(st.floats(-1e4, 1e4, width=32), min_size=n, max_size=n))
         return torch.tensor(vals).reshape(shape)
     g = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
-    mag, off = draw(st.sampled_from([1e-3, 1.0, 30.0, 1e4])), draw(st.sampled_from([0.0, 5.0, -300.0]))
+    mag = draw(st.sampled_from([1e-3, 1.0, 30.0, 1e4]))
+    off = draw(st.sampled_from([0.0, 5.0, -300.0]))
     return torch.randn(shape, generator=g) * mag + off
 
 
@@ -62,23 +67,24 @@ def tensors(draw, finite=True):
 def test_int_error_within_half_step(x, dtype, gran, sym, scale_dtype):
     p = QuantParams.parse(f"{dtype}:{gran}:{'sym' if sym else 'asym'}")
     scale, zero, stored, n_sat, y = roundtrip(x, p, scale_dtype=scale_dtype)
-    assert scale.dtype == scale_dtype and scale.shape == (*x.shape[:-3], *p.scale_shape(*x.shape[-3:]))
+    want_shape = (*x.shape[:-3], *p.scale_shape(*x.shape[-3:]))
+    assert scale.dtype == scale_dtype and scale.shape == want_shape
     assert (scale > 0).all() and scale.float().isfinite().all()
     assert stored.dtype == p.storage_dtype and stored.shape[-1] == x.shape[-1] // p.per_byte
     assert n_sat == 0
-    s = expand(scale, x)
+    step = expand(scale, x)
     err = (x - y).abs()
-    assert (err <= s / 2 * (1 + 1e-3)).all(), f"max err/step {(err / s).max():.4f}"
+    assert (err <= step / 2 * (1 + 1e-3)).all(), f"max err/step {(err / step).max():.4f}"
     # The scale is tight (else the bound above is easy): range / qmax rounded up, plus for asym
     # groups far from 0 the slack that keeps zero a small exact integer.
     mn, mx = group_reduce(x, gran, torch.amin), group_reduce(x, gran, torch.amax)
     tiny = torch.finfo(scale_dtype).tiny
     if sym:
-        assert (s <= torch.maximum(mx, -mn) / p.qmax * (1 + 2**-6) + tiny).all()
+        assert (step <= torch.maximum(mx, -mn) / p.qmax * (1 + 2**-6) + tiny).all()
     else:
         room = (256 if scale_dtype == torch.bfloat16 else 2048) - p.qmax
         slack = torch.maximum(mx.abs(), mn.abs()) / room * ((mn > 0) | (mx < 0))
-        assert (s <= ((mx - mn) / p.qmax + slack) * (1 + 2**-6) + tiny).all()
+        assert (step <= ((mx - mn) / p.qmax + slack) * (1 + 2**-6) + tiny).all()
         z = expand(zero, x)
         assert (z == z.round()).all()
 
@@ -89,11 +95,12 @@ def test_fp8_relative_error(x, gran):
     p = QuantParams.parse(f"fp8:{gran}")
     scale, _, stored, n_sat, y = roundtrip(x, p)
     assert stored.dtype == torch.float8_e4m3fn and n_sat == 0
-    s = expand(scale, x)
+    step = expand(scale, x)
     # e4m3: 3 mantissa bits -> half-ulp relative 2^-4 for normals; subnormal spacing 2^-9 * scale
-    bound = x.abs() * 2**-4 + s * 2**-10
+    bound = x.abs() * 2**-4 + step * 2**-10
     assert ((x - y).abs() <= bound * (1 + 1e-3)).all()
-    assert (s <= x.abs().max() / 448 * (1 + 2**-9) + 6.2e-5).all()  # max maps near 448, not below
+    # the max maps near 448, not below
+    assert (step <= x.abs().max() / 448 * (1 + 2**-9) + 6.2e-5).all()
 
 
 def test_channel_asym_keeps_resolution_away_from_zero():
@@ -124,7 +131,8 @@ def test_pack_bit_order():
     assert stored.tolist() == [[[0xF1]]]
 
 
-@pytest.mark.parametrize("spec", ["int8", "int4:asym", "int2:g4", "int8:channel:asym", "fp8", "int4:head"])
+@pytest.mark.parametrize("spec", ["int8", "int4:asym", "int2:g4", "int8:channel:asym", "fp8",
+                                  "int4:head"])
 def test_all_zero_and_constant(spec):
     p = QuantParams.parse(spec)
     zeros = torch.zeros(2, 3, 8)
@@ -134,7 +142,8 @@ def test_all_zero_and_constant(spec):
     for c in (3.7, -0.02, 1234.5):
         x = torch.full((2, 3, 8), c)
         scale, _, _, n_sat, y = roundtrip(x, p)
-        assert n_sat == 0 and (p.dtype == "fp8" or ((y - c).abs() <= expand(scale, x) / 2 * 1.001).all())
+        within_half_step = ((y - c).abs() <= expand(scale, x) / 2 * 1.001).all()
+        assert n_sat == 0 and (p.dtype == "fp8" or within_half_step)
         assert ((y - c).abs() <= abs(c) * 0.07).all()  # fp8 relative; integers are far closer
 
 
@@ -167,7 +176,8 @@ def test_huge_values_saturate_instead_of_inf_scale():
     assert y[0, 0, :2].tolist() == [127 * 65504.0, -127 * 65504.0]
 
 
-@pytest.mark.parametrize("spec", ["int8:tensor:static", "int4:head:asym:static", "int2:channel:static"])
+@pytest.mark.parametrize("spec", ["int8:tensor:static", "int4:head:asym:static",
+                                  "int2:channel:static"])
 def test_static_scale_too_small_saturates(spec):
     p = QuantParams.parse(spec)
     x = torch.linspace(-10, 10, 64).reshape(1, 8, 8)
@@ -175,10 +185,14 @@ def test_static_scale_too_small_saturates(spec):
     zero = None if p.sym else torch.full_like(scale, (p.qmax + 1) // 2)
     stored, n_sat = quantize(x, p, scale, zero)
     y = dequantize(stored, p, scale, zero)
-    s = scale.float().flatten()[0].item()
-    lo, hi = ((-p.qmax, p.qmax) if p.sym else (-((p.qmax + 1) // 2), p.qmax - (p.qmax + 1) // 2))
-    assert n_sat == int(((x / s < lo - 0.5) | (x / s > hi + 0.5)).sum()) > 0
-    assert torch.allclose(y, (x / s).round().clamp(lo, hi) * s)
+    step = scale.float().flatten()[0].item()
+    if p.sym:
+        lo, hi = -p.qmax, p.qmax
+    else:  # codes 0..qmax around the zero point (qmax + 1) // 2
+        lo, hi = -((p.qmax + 1) // 2), p.qmax - (p.qmax + 1) // 2
+    v = x / step
+    assert n_sat == int(((v < lo - 0.5) | (v > hi + 0.5)).sum()) > 0
+    assert torch.allclose(y, v.round().clamp(lo, hi) * step)
 
 
 def test_dequantize_accepts_expanded_scales():
@@ -203,11 +217,13 @@ def test_float_dtypes_are_plain_casts(dtype):
 
 def test_params_properties():
     P = QuantParams.parse
-    q = {s: P(s) for s in ["int8", "int8:asym", "int4", "int4:asym", "int2", "int2:asym", "fp8"]}
+    q = {spec: P(spec) for spec in ["int8", "int8:asym", "int4", "int4:asym", "int2", "int2:asym",
+                                    "fp8"]}
     assert [(p.qmin, p.qmax, p.offset, p.per_byte, p.bits) for p in q.values()] == [
         (-127, 127, 0, 1, 8), (0, 255, 0, 1, 8), (-7, 7, 8, 2, 4), (0, 15, 0, 2, 4),
         (-1, 1, 2, 4, 2), (0, 3, 0, 4, 2), (-448, 448, 0, 1, 8)]
-    assert [p.storage_dtype for p in q.values()] == [torch.int8] + [torch.uint8] * 5 + [torch.float8_e4m3fn]
+    storage = [torch.int8] + [torch.uint8] * 5 + [torch.float8_e4m3fn]
+    assert [p.storage_dtype for p in q.values()] == storage
     assert q["fp8"].gran == "tensor" and q["int8"].gran == "token"
     assert P("int4:channel").block_wise and P("fp8").block_wise
     assert not P("int4:g32").block_wise and not P("int8:head:static").block_wise
@@ -222,7 +238,9 @@ def test_params_properties():
 
 
 def test_bytes_per_token():
-    bpt = lambda s, **kw: bytes_per_token(QuantParams.parse(s), 2, 64, **kw)
+    def bpt(spec: str, **kw) -> float:  # 2 KV heads of 64 channels
+        return bytes_per_token(QuantParams.parse(spec), 2, 64, **kw)
+
     assert bpt("fp16") == 256 and bpt("fp32") == 512 and bpt("fp8") == 128
     assert bpt("int8") == 2 * 64 + 2 * 2  # data + one fp16 scale per head
     assert bpt("int4:g32:asym") == 2 * 32 + 2 * 2 * 2 * 2  # 2 groups x (scale + zero) x 2 bytes
@@ -236,11 +254,11 @@ def test_bytes_per_token():
 # --- the KV spec --------------------------------------------------------------------------
 
 def test_parse_examples():
-    s = KVSpec.parse("k=int4:channel:asym,v=int4:g32:asym,residual=64")
-    assert s.k == QuantParams("int4", "channel", 0, False, False)
-    assert s.v == QuantParams("int4", "group", 32, False, False)
-    assert (s.residual, s.sink, s.needs_scales, s.is_float) == (64, 0, False, False)
-    assert str(s) == "k=int4:channel:asym,v=int4:g32:asym,residual=64"
+    kv = KVSpec.parse("k=int4:channel:asym,v=int4:g32:asym,residual=64")
+    assert kv.k == QuantParams("int4", "channel", 0, False, False)
+    assert kv.v == QuantParams("int4", "group", 32, False, False)
+    assert (kv.residual, kv.sink, kv.needs_scales, kv.is_float) == (64, 0, False, False)
+    assert str(kv) == "k=int4:channel:asym,v=int4:g32:asym,residual=64"
     assert str(KVSpec.parse(" int8 : token : sym : dynamic ")) == "int8"
     assert str(KVSpec.parse("int8,v=fp16")) == "k=int8,v=fp16"
     assert str(KVSpec.parse("k=fp16, v=fp16, sink=4")) == "fp16,sink=4"
@@ -264,41 +282,50 @@ def parts(draw):
     return ":".join([dtype, *draw(st.permutations(opts))])
 
 
-LAYOUTS = [("",), ("", "k="), ("", "v="), ("", "k=", "v="), ("", "v=", "k="), ("k=", "v="), ("v=", "k=")]
+# The prefixes of a spec's parts, in order ("" is a part without k=/v=).
+LAYOUTS = [("",), ("", "k="), ("", "v="), ("", "k=", "v="), ("", "v=", "k="), ("k=", "v="),
+           ("v=", "k=")]
 OPTS = ["", "residual=0", "residual=64", "sink=4", "residual=8,sink=2", "sink=1,residual=3"]
 
 
-@given(st.sampled_from(LAYOUTS).flatmap(lambda lay: st.tuples(*[st.just(p) for p in lay]).map(list)),
+def layout_lists(layout: tuple[str, ...]) -> st.SearchStrategy:
+    """A layout as a strategy that draws it as a list."""
+    return st.tuples(*[st.just(prefix) for prefix in layout]).map(list)
+
+
+@given(st.sampled_from(LAYOUTS).flatmap(layout_lists),
        st.lists(parts(), min_size=3, max_size=3), st.sampled_from(OPTS), st.booleans())
 def test_spec_roundtrip(layout, texts, opts, spaces):
     named = dict(zip(layout, texts[: len(layout)], strict=True))
-    spec = (" , " if spaces else ",").join([p + q for p, q in named.items()] + ([opts] if opts else []))
-    s = KVSpec.parse(spec)
-    assert KVSpec.parse(str(s)) == s and str(KVSpec.parse(str(s))) == str(s)
-    assert s.k == QuantParams.parse(named.get("k=", named.get("")))
-    assert s.v == QuantParams.parse(named.get("v=", named.get("")))
+    items = [prefix + text for prefix, text in named.items()] + ([opts] if opts else [])
+    spec = (" , " if spaces else ",").join(items)
+    kv = KVSpec.parse(spec)
+    assert KVSpec.parse(str(kv)) == kv and str(KVSpec.parse(str(kv))) == str(kv)
+    assert kv.k == QuantParams.parse(named.get("k=", named.get("")))
+    assert kv.v == QuantParams.parse(named.get("v=", named.get("")))
     want = {k: int(n) for k, n in (o.split("=") for o in opts.split(",") if o)}
-    assert (s.residual, s.sink) == (want.get("residual", 0), want.get("sink", 0))
+    assert (kv.residual, kv.sink) == (want.get("residual", 0), want.get("sink", 0))
 
 
 @given(st.text(st.sampled_from(list("kv=,: intfpbsymachelokgdr0123468x\n")), max_size=30))
 def test_spec_fuzz_only_raises_spec_error(text):
     try:
-        s = KVSpec.parse(text)
+        kv = KVSpec.parse(text)
     except SpecError as e:
         assert "\n" not in str(e) and str(e).startswith(f"bad KV spec {text!r}")
         return
-    assert KVSpec.parse(str(s)) == s
+    assert KVSpec.parse(str(kv)) == kv
 
 
 @pytest.mark.parametrize("spec, bad", [
-    ("int9", "int9"), ("k=int8:foo,v=fp16", "foo"), ("int8:g0", "g0"), ("fp16:token", "fp16:token"),
-    ("int8,residual=x", "residual=x"), ("fp8:asym", "fp8:asym"), ("", "empty"), ("k=int8", "v is never set"),
-    ("int8,,v=fp16", "empty part"), ("int8:token:static", "int8:token:static"), ("int8,foo=3", "foo"),
+    ("int9", "int9"), ("k=int8:foo,v=fp16", "foo"), ("int8:g0", "g0"),
+    ("fp16:token", "fp16:token"), ("int8,residual=x", "residual=x"), ("fp8:asym", "fp8:asym"),
+    ("", "empty"), ("k=int8", "v is never set"), ("int8,,v=fp16", "empty part"),
+    ("int8:token:static", "int8:token:static"), ("int8,foo=3", "foo"),
     ("int8,residual=4,residual=5", "residual=5"), ("residual=4,int8", "int8"),
     ("k=int8,k=int4,v=fp16", "k=int4"),
-    ("int8,int4", "int4"), ("int8:asym:sym", "int8:asym:sym"), ("int4:gx", "gx"), ("fp8:g", "fp8:g"),
-    ("int8,sink=-1", "sink=-1"), ("int8\n,v=fp16:head", "v=fp16:head"),
+    ("int8,int4", "int4"), ("int8:asym:sym", "int8:asym:sym"), ("int4:gx", "gx"),
+    ("fp8:g", "fp8:g"), ("int8,sink=-1", "sink=-1"), ("int8\n,v=fp16:head", "v=fp16:head"),
 ])
 def test_malformed_specs(spec, bad):
     with pytest.raises(SpecError) as e:
