@@ -1,4 +1,5 @@
-"""The paged cache against plain causal attention: fp32 is exact, batching and sharing change nothing."""
+"""The paged cache against plain causal attention: fp32 is exact, batching and sharing change
+nothing."""
 
 import pytest
 import torch
@@ -10,23 +11,31 @@ from tinykv.quant import KVSpec
 
 SHAPES = [("llama", 4, 4, 64), ("llama", 6, 2, 80), ("qwen2", 4, 1, 64), ("gpt2", 4, 4, 64),
           ("gpt_bigcode", 4, 1, 64)]
+SHAPE_IDS = [f"{s[0]}-{s[1]}q{s[2]}kv-{s[3]}" for s in SHAPES]
 
 
 def tiny(model_type="llama", n_heads=6, n_kv=2, hd=64, seed=0) -> Transformer:
+    """A random 2-layer model; norms and biases perturbed so that they are really tested."""
     torch.manual_seed(seed)
-    cfg = Config(model_type=model_type, vocab_size=128, dim=n_heads * hd, n_layers=2, n_heads=n_heads,
-                 n_kv_heads=n_kv, ffn_dim=96, max_seq_len=256, qkv_bias=model_type != "llama",
-                 tie_embeddings=model_type.startswith("gpt"))
+    cfg = Config(model_type=model_type, vocab_size=128, dim=n_heads * hd, n_layers=2,
+                 n_heads=n_heads, n_kv_heads=n_kv, ffn_dim=96, max_seq_len=256,
+                 qkv_bias=model_type != "llama", tie_embeddings=model_type.startswith("gpt"))
     m = Transformer(cfg).eval()
     with torch.no_grad():
-        for p in m.parameters():
-            if p.dim() == 1:
-                p.add_(0.1 * torch.randn_like(p))
+        for param in m.parameters():
+            if param.dim() == 1:
+                param.add_(0.1 * torch.randn_like(param))
     return m
 
 
+def cache_for(m: Transformer, spec: str, **kw):
+    """make_cache for model m under a spec string."""
+    return make_cache(m.cfg, KVSpec.parse(spec), **kw)
+
+
 def run_cached(m, cache, seqs: dict[int, list[int]], chunk: int) -> dict[int, torch.Tensor]:
-    """Feed several sequences together, `chunk` tokens per sequence per step; all logits per sequence."""
+    """Feed several sequences together, `chunk` tokens per sequence per step; all logits per
+    sequence."""
     out = {s: [] for s in seqs}
     for s in seqs:
         cache.add_sequence(s)
@@ -45,14 +54,13 @@ def run_cached(m, cache, seqs: dict[int, list[int]], chunk: int) -> dict[int, to
     return {s: torch.cat(v) for s, v in out.items()}
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=[f"{s[0]}-{s[1]}q{s[2]}kv-{s[3]}" for s in SHAPES])
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
 @pytest.mark.parametrize("block_size", [1, 16, 64])
 def test_fp32_paged_equals_no_cache(shape, block_size):
     m = tiny(*shape)
     g = torch.Generator().manual_seed(3)
-    seqs = {0: torch.randint(0, 128, (37,), generator=g).tolist(), 1: torch.randint(0, 128, (9,), generator=g).tolist(),
-            2: torch.randint(0, 128, (70,), generator=g).tolist()}
-    cache = make_cache(m.cfg, KVSpec.parse("fp32"), blocks=200, block_size=block_size, max_seqs=3)
+    seqs = {i: torch.randint(0, 128, (n,), generator=g).tolist() for i, n in enumerate([37, 9, 70])}
+    cache = cache_for(m, "fp32", blocks=200, block_size=block_size, max_seqs=3)
     got = run_cached(m, cache, seqs, chunk=5)
     for s, toks in seqs.items():
         ref = m(torch.tensor([toks]))[0]
@@ -63,16 +71,19 @@ def test_fp32_paged_equals_no_cache(shape, block_size):
     assert cache.blocks_free == cache.num_blocks
 
 
-@pytest.mark.parametrize("spec", ["int8", "k=int4:channel:asym,v=int4:g32:asym,residual=20", "fp32,sink=4,residual=8",
-                                  "k=int8:channel,v=fp16", "fp8,sink=3"])
+@pytest.mark.parametrize("spec", ["int8", "k=int4:channel:asym,v=int4:g32:asym,residual=20",
+                                  "fp32,sink=4,residual=8", "k=int8:channel,v=fp16", "fp8,sink=3"])
 def test_batched_equals_alone(spec):
-    """Mixed-length sequences decoded in one batch give the logits each gives alone, under any spec."""
+    """Mixed-length sequences decoded in one batch give the logits each gives alone, under any
+    spec."""
     m = tiny()
     g = torch.Generator().manual_seed(4)
     seqs = {i: torch.randint(0, 128, (n,), generator=g).tolist() for i, n in enumerate([41, 7, 23])}
-    batched = run_cached(m, make_cache(m.cfg, KVSpec.parse(spec), blocks=64, block_size=16, max_seqs=3), seqs, chunk=3)
+    batch_cache = cache_for(m, spec, blocks=64, block_size=16, max_seqs=3)
+    batched = run_cached(m, batch_cache, seqs, chunk=3)
     for s, toks in seqs.items():
-        alone = run_cached(m, make_cache(m.cfg, KVSpec.parse(spec), blocks=64, block_size=16, max_seqs=1), {s: toks}, chunk=3)
+        alone_cache = cache_for(m, spec, blocks=64, block_size=16, max_seqs=1)
+        alone = run_cached(m, alone_cache, {s: toks}, chunk=3)
         torch.testing.assert_close(batched[s], alone[s], atol=1e-5, rtol=1e-5)
 
 
@@ -82,7 +93,8 @@ def test_quantized_cache_is_close_but_not_exact():
     ref = m(torch.tensor([toks]))[0]
     errs = {}
     for spec in ["int8", "int4", "int2"]:
-        got = run_cached(m, make_cache(m.cfg, KVSpec.parse(spec), blocks=16, block_size=16), {0: toks}, chunk=1)[0]
+        cache = cache_for(m, spec, blocks=16, block_size=16)
+        got = run_cached(m, cache, {0: toks}, chunk=1)[0]
         errs[spec] = (got - ref).abs().max().item()
     assert 0 < errs["int8"] < errs["int4"] < errs["int2"]
     assert errs["int8"] < 0.05
@@ -94,16 +106,18 @@ def test_prefix_sharing_same_outputs(spec):
     g = torch.Generator().manual_seed(6)
     system = torch.randint(0, 128, (40,), generator=g).tolist()
     a, b = system + [5, 6, 7], system + [9, 10]
-    cache = make_cache(m.cfg, KVSpec.parse(spec), blocks=32, block_size=8, max_seqs=2)
+    cache = cache_for(m, spec, blocks=32, block_size=8, max_seqs=2)
     eng = Engine(m, cache)
     ra = eng.add(a, Sampling(temperature=0, max_new_tokens=6))
     list(eng.run())
     used_after_a = cache.blocks_free
     rb = eng.add(b, Sampling(temperature=0, max_new_tokens=6))
-    eng._admit()
-    assert cache.length(rb) == 40  # five full blocks of the system prompt were found, not recomputed
+    prefilled = eng.stats.prefill_tokens
+    eng.step()  # b joins, and its uncached tokens are fed
+    # five full blocks of the system prompt (40 tokens) were found, not recomputed
+    assert eng.stats.prefill_tokens - prefilled == len(b) - 40
     list(eng.run())
-    fresh = Engine(m, make_cache(m.cfg, KVSpec.parse(spec), blocks=32, block_size=8, max_seqs=2))
+    fresh = Engine(m, cache_for(m, spec, blocks=32, block_size=8, max_seqs=2))
     rb2 = fresh.add(b, Sampling(temperature=0, max_new_tokens=6))
     list(fresh.run())
     assert eng.requests[rb].new_ids == fresh.requests[rb2].new_ids
@@ -112,7 +126,7 @@ def test_prefix_sharing_same_outputs(spec):
 
 def test_fork_copy_on_write():
     m = tiny()
-    cache = make_cache(m.cfg, KVSpec.parse("int8"), blocks=16, block_size=4)
+    cache = cache_for(m, "int8", blocks=16, block_size=4)
     toks = list(range(10))
     ref = run_cached(m, cache, {0: toks}, chunk=10)[0]
     cache.fork(0, 1)
@@ -123,7 +137,7 @@ def test_fork_copy_on_write():
         cache.commit(plan)
     assert cache.blocks_used == used + 1  # one copy, the other writer keeps the original
     # seq 0 still sees its own tokens: its logits for one more token equal a fresh run
-    fresh = make_cache(m.cfg, KVSpec.parse("int8"), blocks=16, block_size=4)
+    fresh = cache_for(m, "int8", blocks=16, block_size=4)
     want = run_cached(m, fresh, {0: toks + [55, 3]}, chunk=12)[0][-1]
     plan = cache.plan([0], [[3]])
     torch.testing.assert_close(m(torch.tensor([3]), plan)[0], want, atol=1e-5, rtol=1e-5)
@@ -132,7 +146,10 @@ def test_fork_copy_on_write():
 
 def test_bytes_per_token_formula():
     cfg = Config(vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3, ffn_dim=1536)
-    bpt = lambda s: make_cache(cfg, KVSpec.parse(s), blocks=4, block_size=16).bytes_per_token
+
+    def bpt(spec: str) -> float:
+        return make_cache(cfg, KVSpec.parse(spec), blocks=4, block_size=16).bytes_per_token
+
     assert bpt("fp16") == 23040  # 30 layers * (K+V) * 3 heads * 64 * 2 bytes
     assert bpt("fp32") == 46080
     assert bpt("int8") == 11520 + 30 * 2 * 3 * 2  # + one fp16 scale per token, head, layer, K/V
@@ -140,12 +157,13 @@ def test_bytes_per_token_formula():
     assert bpt("int4") == 5760 + 360
     assert bpt("k=int8,v=fp16") == 5760 + 180 + 11520
     # per-channel keys: one fp16 scale+zero per channel per block of 16 tokens
-    assert bpt("k=int4:channel:asym,v=int4:g32:asym") == 5760 + 30 * 3 * 64 * 4 / 16 + 30 * 3 * 2 * 4
+    kivi = 5760 + 30 * 3 * 64 * 4 / 16 + 30 * 3 * 2 * 4
+    assert bpt("k=int4:channel:asym,v=int4:g32:asym") == kivi
 
 
 def test_pool_exhausted_is_clear():
     m = tiny()
-    cache = make_cache(m.cfg, KVSpec.parse("int8"), blocks=2, block_size=4)
+    cache = cache_for(m, "int8", blocks=2, block_size=4)
     cache.add_sequence(0)
     with pytest.raises(PoolExhausted, match="exhausted"):
         cache.plan([0], [list(range(20))])
@@ -158,13 +176,13 @@ def test_engine_preempts_and_recomputes():
     g = torch.Generator().manual_seed(8)
     prompts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (30, 12, 25, 5)]
     s = Sampling(temperature=0, max_new_tokens=12)
-    eng = Engine(m, make_cache(m.cfg, KVSpec.parse("fp32"), blocks=12, block_size=8, max_seqs=4), max_batch=4)
-    rids = [eng.add(p, s) for p in prompts]
+    eng = Engine(m, cache_for(m, "fp32", blocks=12, block_size=8, max_seqs=4), max_batch=4)
+    rids = [eng.add(prompt, s) for prompt in prompts]
     list(eng.run())
     assert eng.stats.preemptions > 0
-    for rid, p in zip(rids, prompts):
-        alone = Engine(m, make_cache(m.cfg, KVSpec.parse("fp32"), blocks=12, block_size=8))
-        r = alone.add(p, s)
+    for rid, prompt in zip(rids, prompts):
+        alone = Engine(m, cache_for(m, "fp32", blocks=12, block_size=8))
+        r = alone.add(prompt, s)
         list(alone.run())
         assert eng.requests[rid].new_ids == alone.requests[r].new_ids
 
@@ -173,5 +191,5 @@ def test_single_block_pool():
     """A pool of one block (block size covering the whole sequence) still attends correctly."""
     m = tiny()
     toks = list(range(1, 12))
-    got = run_cached(m, make_cache(m.cfg, KVSpec.parse("fp32"), blocks=1, block_size=16), {0: toks}, chunk=4)[0]
+    got = run_cached(m, cache_for(m, "fp32", blocks=1, block_size=16), {0: toks}, chunk=4)[0]
     torch.testing.assert_close(got, m(torch.tensor([toks]))[0], atol=1e-5, rtol=1e-5)

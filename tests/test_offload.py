@@ -13,57 +13,77 @@ from tinykv.quant import KVSpec
 
 
 def generate(m, spec, prompts, num_blocks, attention="auto", **offload_kw):
+    """Greedy tokens of each prompt, the logits of every sample (grouped by request, in order),
+    and the cache (with the engine's preemption count)."""
     offload = OffloadConfig(**offload_kw) if offload_kw else None
-    cache = make_cache(m.cfg, KVSpec.parse(spec), blocks=num_blocks, block_size=8, max_seqs=len(prompts),
-                       attention=attention, offload=offload)
-    eng = Engine(m, cache, max_batch=len(prompts), prefill_chunk=24)  # same chunks for every pool size
+    cache = make_cache(m.cfg, KVSpec.parse(spec), blocks=num_blocks, block_size=8,
+                       max_seqs=len(prompts), attention=attention, offload=offload)
+    # the same prefill chunks for every pool size
+    eng = Engine(m, cache, max_batch=len(prompts), prefill_chunk=24)
     s = Sampling(temperature=0, max_new_tokens=10)
-    rids = [eng.add(p, s) for p in prompts]
-    rows, who = [], []
-    orig_sample, orig_done = gen_mod.sample, eng._check_done
-    gen_mod.sample = lambda row, *a: rows.append(row) or orig_sample(row, *a)  # the logits of every sample
-    eng._check_done = lambda r, t: who.append(r.rid) or orig_done(r, t)  # ... and whose it was
+    rids = [eng.add(prompt, s) for prompt in prompts]
+    rows = []  # the logits of every sample, in the order the engine samples
+    orig_sample = gen_mod.sample
+
+    def sample(row, *args):
+        rows.append(row)
+        return orig_sample(row, *args)
+
+    gen_mod.sample = sample
     try:
-        list(eng.run())
+        # the engine yields (request id, token) as it samples, so pairs[i] says whose rows[i] is
+        pairs = list(eng.run())
     finally:
         gen_mod.sample = orig_sample
-    logits = torch.stack([rows[i] for i in sorted(range(len(rows)), key=lambda i: (who[i], i))])
+    who = [rid for rid, _ in pairs]
+    order = sorted(range(len(rows)), key=lambda i: (who[i], i))
+    logits = torch.stack([rows[i] for i in order])
     cache.preemptions = eng.stats.preemptions
     return [eng.requests[r].new_ids for r in rids], logits, cache
 
 
-@pytest.mark.parametrize("spec", ["fp32", "int8", "int4", "k=int4:channel:asym,v=int4:g32:asym,residual=16"])
+@pytest.mark.parametrize("spec", ["fp32", "int8", "int4",
+                                  "k=int4:channel:asym,v=int4:g32:asym,residual=16"])
 @pytest.mark.parametrize("disk", [False, True])
 def test_small_device_pool_same_outputs(spec, disk, tmp_path):
     m = tiny()
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (150, 90)]
     want_ids, want_logits, _ = generate(m, spec, prompts, num_blocks=64)
-    kw = dict(host_blocks=8, disk_dir=str(tmp_path), disk_blocks=64) if disk else dict(host_blocks=64)
+    if disk:
+        kw = dict(host_blocks=8, disk_dir=str(tmp_path), disk_blocks=64)
+    else:
+        kw = dict(host_blocks=64)
     ids, logits, cache = generate(m, spec, prompts, num_blocks=8, stage_blocks=5, **kw)
     assert cache.preemptions == 0  # a recompute would change chunking, and with it float rounding
     assert ids == want_ids
-    # exact up to float32 rounding: the torch path accumulates in float64, so the LSE merge of staged
-    # chunks rounds like one pass and no quantized code flips (see paged_attention_ref's `acc`)
+    # exact up to float32 rounding: on the CPU the offloaded blocks are attended in one pass with
+    # the resident ones (Offloader.plan_chunks' one_pass), over the same dequantized K/V, so no
+    # quantized code flips
     tol = 1e-5
     torch.testing.assert_close(logits, want_logits, atol=tol, rtol=tol)
     st = cache.offload_stats()
     assert st["blocks_read_staged"] > 0 and st["peak_device_blocks"] <= 8
     if disk:
         assert st["blocks_host_to_disk"] > 0
-    # counters add up: every block that left the device came back, is still out, or was freed out there
+    # counters add up: every block that left the device came back, is still out, or was freed out
+    # there
     out = st.get("blocks_device_to_host", 0)
     back = st.get("blocks_host_to_device", 0) + st.get("blocks_disk_to_device", 0)
-    assert out == back + st["host_blocks_used"] + st["disk_blocks_used"] + st.get("blocks_freed_offloaded", 0)
+    still_out = st["host_blocks_used"] + st["disk_blocks_used"]
+    assert out == back + still_out + st.get("blocks_freed_offloaded", 0)
 
 
 def test_roundtrip_bit_exact_and_tamper_detected(tmp_path):
     m = tiny()
     for spec in ["fp32", "bf16", "fp8", "int8:asym", "int4", "int2:g16:asym"]:
-        cache = make_cache(m.cfg, KVSpec.parse(spec), blocks=4, block_size=8,
-                           offload=OffloadConfig(host_blocks=2, disk_dir=str(tmp_path), disk_blocks=2))
+        offload = OffloadConfig(host_blocks=2, disk_dir=str(tmp_path), disk_blocks=2)
+        cache = make_cache(m.cfg, KVSpec.parse(spec), blocks=4, block_size=8, offload=offload)
         for t in cache.pools.moving():
-            t.copy_(torch.randint(0, 100, t.shape).to(t.dtype) if t.dtype != torch.float32 else torch.randn(t.shape))
+            if t.dtype == torch.float32:
+                t.copy_(torch.randn(t.shape))
+            else:
+                t.copy_(torch.randint(0, 100, t.shape).to(t.dtype))
         before = [t[:, 1].clone() for t in cache.pools.moving()]
         h = cache.tables.move(STORE, 1, HOST)
         d = cache.tables.move(HOST, h, DISK)
@@ -71,8 +91,8 @@ def test_roundtrip_bit_exact_and_tamper_detected(tmp_path):
         for t, b in zip(cache.pools.moving(), before):
             assert torch.equal(t[:, back].view(torch.uint8), b.view(torch.uint8)), spec
         cache.close()
-    cache = make_cache(m.cfg, KVSpec.parse("int8"), blocks=4, block_size=8,
-                       offload=OffloadConfig(host_blocks=1, disk_dir=str(tmp_path), disk_blocks=2))
+    offload = OffloadConfig(host_blocks=1, disk_dir=str(tmp_path), disk_blocks=2)
+    cache = make_cache(m.cfg, KVSpec.parse("int8"), blocks=4, block_size=8, offload=offload)
     d = cache.tables.move(STORE, 0, DISK)
     disk = cache.offload.tiers[DISK]
     with open(disk.path, "r+b") as f:  # flip one byte of the stored block
@@ -104,14 +124,16 @@ def test_lse_merge_equals_single_pass():
 
 
 def test_staged_chunks_with_lse_merge_triton():
-    """The GPU path: offloaded blocks staged in fixed-size chunks, merged by log-sum-exp (interpreter here)."""
+    """The GPU path: offloaded blocks staged in fixed-size chunks, merged by log-sum-exp
+    (interpreter here)."""
     pytest.importorskip("triton")
     m = tiny()
     g = torch.Generator().manual_seed(12)
     prompts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (40, 20)]
     want_ids, want_logits, _ = generate(m, "int8", prompts, num_blocks=64, attention="triton")
-    ids, logits, cache = generate(m, "int8", prompts, num_blocks=6, stage_blocks=2, host_blocks=64,
-                                  attention="triton")
+    ids, logits, cache = generate(m, "int8", prompts, num_blocks=6, stage_blocks=2,
+                                  host_blocks=64, attention="triton")
     assert cache.offload_stats()["blocks_read_staged"] > 3  # more than one chunk
     assert ids == want_ids
-    torch.testing.assert_close(logits, want_logits, atol=1e-3, rtol=1e-3)  # merge order differs: float noise
+    # the merge order differs: float noise
+    torch.testing.assert_close(logits, want_logits, atol=1e-3, rtol=1e-3)
