@@ -1,5 +1,6 @@
-"""The end-to-end benchmark (tinykv/bench/e2e.py) on a tiny random model: its measuring functions, the
-token check, the JSON it writes and the README section made from it. Fast; needs no real weights or text."""
+"""The end-to-end benchmark (tinykv/bench/e2e.py) on a tiny random model: its measuring functions,
+the token check, the JSON it writes and the README section made from it. Fast; needs no real
+weights or text."""
 
 import json
 import math
@@ -13,7 +14,8 @@ from tinykv.cli import main
 from tinykv.model import Transformer
 
 # The shape of e2e.MODES, shrunk to a tiny model (512-token context) and a few seconds.
-TINY = dict(lengths=[8, 24], new=4, reps=2, batches=[3], batch_lens=[5, 12], batch_new=3, ppl_tokens=64, window=32)
+TINY = dict(lengths=[8, 24], new=4, reps=2, batches=[3], batch_lens=[5, 12], batch_new=3,
+            ppl_tokens=64, window=32)
 SPECS = ["fp32", "int8"]
 
 
@@ -34,6 +36,7 @@ def tiny(tmp_path_factory):
 
 
 def ids(n: int, seed: int = 0) -> list[int]:
+    """n random token ids of the tiny model's vocabulary (none of the first 3)."""
     return torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
@@ -48,7 +51,8 @@ def test_time_functions_generate_exactly_n_tokens(tiny):
     prompt = ids(20)
     for r in (be.time_tinykv(model, prompt, "int4", 5), be.time_hf(hf, prompt, 5)):
         assert len(r["ids"]) == 5 and r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0
-    assert be.time_tinykv(model, prompt, "fp32", 5)["ids"] == be.time_hf(hf, prompt, 5)["ids"]  # greedy parity
+    # greedy parity
+    assert be.time_tinykv(model, prompt, "fp32", 5)["ids"] == be.time_hf(hf, prompt, 5)["ids"]
 
 
 def test_e2e_flags_different_tokens(tiny, monkeypatch):
@@ -59,8 +63,10 @@ def test_e2e_flags_different_tokens(tiny, monkeypatch):
     def shifted(*a, **k):
         r = real(*a, **k)
         return {**r, "ids": r["ids"][:2] + [(t + 1) % 256 for t in r["ids"][2:]]}
+
     monkeypatch.setattr(be, "time_hf", shifted)
-    (row,) = [r for r in be.bench_e2e(model, hf, ids(40), [16], 5, ["fp32"], 1, False) if r["engine"] == "tinykv"]
+    rows = be.bench_e2e(model, hf, ids(40), [16], 5, ["fp32"], 1, False)
+    (row,) = [r for r in rows if r["engine"] == "tinykv"]
     assert row["match_vs_hf"] is False and row["first_diff_vs_hf"] == 2
 
 
@@ -69,27 +75,35 @@ def test_collect_structure(tiny):
     ticks = []
     res = be.collect(model, hf, ids(200), TINY, SPECS, batch_kv="int8", tick=ticks.append)
     json.dumps(res)  # everything serializable
-    assert len(ticks) == 3 * (1 + 2 * 2) + 2 + len(be.MEM_SPECS)  # what run() sizes its progress bar to
+    # what run() sizes its progress bar to
+    assert len(ticks) == 3 * (1 + 2 * 2) + 2 + len(be.MEM_SPECS)
+    engines = [("tinykv", "fp32"), ("tinykv", "int8"), ("transformers", "default")]
     assert {(r["prompt_len"], r["engine"], r["kv"]) for r in res["e2e"]} == {
-        (L, e, kv) for L in (8, 24) for e, kv in [("tinykv", "fp32"), ("tinykv", "int8"), ("transformers", "default")]}
+        (L, e, kv) for L in (8, 24) for e, kv in engines}
     for r in res["e2e"]:
         assert r["runs"] == 2 and len(r["decode_tok_s_all"]) == 2 and len(r["ids"]) == 4
         assert r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0
         if r["engine"] == "tinykv":
             assert r["decode_x_hf_default"] > 0 and isinstance(r["match_vs_hf"], bool)
-            assert r["match_vs_hf"] or r["kv"] != "fp32"  # an unquantized cache must give transformers' tokens
+            # an unquantized cache must give transformers' tokens
+            assert r["match_vs_hf"] or r["kv"] != "fp32"
     (b,) = res["batch"]
-    assert b["prompts"] == 3 and b["prompt_tokens"] >= 15 and b["speedup"] > 0 and b["same_tokens"] == 1.0
+    assert b["prompts"] == 3 and b["prompt_tokens"] >= 15
+    assert b["speedup"] > 0 and b["same_tokens"] == 1.0
     mem = {r["kv"]: r for r in res["memory"]["rows"]}
     assert len(mem) == len(be.MEM_SPECS)
     L, H, D = model.cfg.n_layers, model.cfg.n_kv_heads, model.cfg.head_dim
-    assert mem["fp32"]["bytes_per_token"] == mem["fp32"]["formula_bytes_per_token"] == 2 * L * H * D * 4
-    assert mem["int4"]["bytes_per_token"] < mem["int8"]["bytes_per_token"] < mem["fp16"]["bytes_per_token"]
+    fp32 = mem["fp32"]
+    assert fp32["bytes_per_token"] == fp32["formula_bytes_per_token"] == 2 * L * H * D * 4
+    bpt = {kv: mem[kv]["bytes_per_token"] for kv in ("int4", "int8", "fp16")}
+    assert bpt["int4"] < bpt["int8"] < bpt["fp16"]
     for r in mem.values():
         assert r["bytes_per_token"] == pytest.approx(r["formula_bytes_per_token"])
-        assert r["max_context"] * r["bytes_per_token"] + r["hot_bytes_per_seq"] <= be.BUDGET and r["max_batch"] > 0
+        held = r["max_context"] * r["bytes_per_token"] + r["hot_bytes_per_seq"]
+        assert held <= be.BUDGET and r["max_batch"] > 0
     q = res["quality"]
-    assert "note" in q or (len(q["rows"]) == len(be.MEM_SPECS) and all(math.isfinite(r["ppl"]) for r in q["rows"]))
+    finite = all(math.isfinite(r["ppl"]) for r in q["rows"])
+    assert "note" in q or (len(q["rows"]) == len(be.MEM_SPECS) and finite)
 
 
 def test_cli_writes_json_charts_and_readme(tiny, tmp_path, monkeypatch, capsys):
@@ -103,8 +117,8 @@ def test_cli_writes_json_charts_and_readme(tiny, tmp_path, monkeypatch, capsys):
     text.write_text(" ".join(f"w{i}" for i in ids(300)))
     monkeypatch.setitem(be.MODES, "quick", TINY)
     out = tmp_path / "bench" / "results.json"
-    args = ["bench", "--quick", "--weights", str(d), "--device", "cpu", "--text", str(text), "--out", str(out),
-            "--kv", "int8", "--threads", "1"]
+    args = ["bench", "--quick", "--weights", str(d), "--device", "cpu", "--text", str(text),
+            "--out", str(out), "--kv", "int8", "--threads", "1"]
     assert main(args) == 0
     res = json.loads(out.read_text())
     assert res["machine"]["torch"] == torch.__version__ and res["machine"]["device"] == "cpu"
@@ -119,7 +133,8 @@ def test_cli_writes_json_charts_and_readme(tiny, tmp_path, monkeypatch, capsys):
 
 
 def test_profile_splits_a_decode_step(tiny):
-    """bench profile: the parts are measured (nonzero, within the step's time) and the timers come off again."""
+    """bench profile: the parts are measured (nonzero, within the step's time) and the timers come
+    off again."""
     import torch.nn.functional as F
 
     from tinykv.bench import profile as bp
@@ -130,7 +145,7 @@ def test_profile_splits_a_decode_step(tiny):
     before = (F.linear, KVPools.write, PagedKVCache.attend)
     r = bp.profile_tinykv(model, ids(20), "int8", 4)
     parts = [r[k] for k in bp.PARTS]
-    assert all(p > 0 for p in parts) and sum(parts) < r["ms_per_token"]
+    assert all(ms > 0 for ms in parts) and sum(parts) < r["ms_per_token"]
     assert math.isclose(sum(parts) + r["rest"], r["ms_per_token"], rel_tol=1e-9)
     r = bp.profile_hf(hf, ids(20), 4)
     assert "cache.write" not in r and 0 < r["linear"] < r["ms_per_token"]

@@ -10,6 +10,7 @@ from safetensors import safe_open
 from test_cache import tiny
 from test_evaluate import ppl, sample_text, sharp_tiny
 
+from tinykv.cache import make_cache
 from tinykv.calibrate import (
     CalibrationError,
     calibrate,
@@ -21,14 +22,15 @@ from tinykv.calibrate import (
     record,
     save_scales,
 )
-from tinykv.cache import make_cache
 from tinykv.evaluate import perplexity
 from tinykv.quant import KVSpec, QuantParams, quantize
 
-AXES = {"tensor": (1, 2, 3), "head": (2, 3), "channel": (2,)}  # of (L, H, T, D), reduced with keepdims
+# Axes of (L, H, T, D) reduced per scale group, with keepdims.
+AXES = {"tensor": (1, 2, 3), "head": (2, 3), "channel": (2,)}
 
 
-def numpy_range(x: np.ndarray, gran: str, sym: bool, observer: str) -> tuple[np.ndarray, np.ndarray]:
+def numpy_range(x: np.ndarray, gran: str, sym: bool,
+                observer: str) -> tuple[np.ndarray, np.ndarray]:
     """What each observer claims to compute, written with numpy."""
     ax = AXES[gran]
     kind, arg = parse_observer(observer)
@@ -39,10 +41,11 @@ def numpy_range(x: np.ndarray, gran: str, sym: bool, observer: str) -> tuple[np.
         if sym:
             hi = np.percentile(np.abs(x), arg, axis=ax, keepdims=True)
             return -hi, hi
-        lo, hi = np.percentile(x, 100 - arg, axis=ax, keepdims=True), np.percentile(x, arg, axis=ax, keepdims=True)
+        lo = np.percentile(x, 100 - arg, axis=ax, keepdims=True)
+        hi = np.percentile(x, arg, axis=ax, keepdims=True)
     else:
-        m, s = x.mean(ax, keepdims=True), x.std(ax, keepdims=True)
-        lo, hi = np.maximum(m - arg * s, mn), np.minimum(m + arg * s, mx)
+        mean, std = x.mean(ax, keepdims=True), x.std(ax, keepdims=True)
+        lo, hi = np.maximum(mean - arg * std, mn), np.minimum(mean + arg * std, mx)
     if sym:
         hi = np.maximum(np.abs(lo), np.abs(hi))
         lo = -hi
@@ -51,8 +54,10 @@ def numpy_range(x: np.ndarray, gran: str, sym: bool, observer: str) -> tuple[np.
 
 @pytest.fixture(scope="module")
 def kv():
+    """Recorded-like keys (L, H, T, D) with channel offsets and one outlier."""
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(2, 3, 200, 8, generator=g) + torch.randn(1, 1, 1, 8, generator=g)  # channel offsets
+    x = torch.randn(2, 3, 200, 8, generator=g)
+    x = x + torch.randn(1, 1, 1, 8, generator=g)  # channel offsets
     x[0, 1, 17, 5] = 40.0  # one outlier, which only minmax keeps
     return x
 
@@ -64,7 +69,9 @@ def test_observers_match_numpy(kv, observer, gran, sym):
     p = QuantParams("int8", gran, sym=sym, static=True)
     lo, hi = observe(kv, p, observer)
     want_lo, want_hi = numpy_range(kv.numpy(), gran, sym, observer)
-    assert lo.shape == hi.shape == (2, 1 if gran == "tensor" else 3, 1, 8 if gran == "channel" else 1)
+    heads = 1 if gran == "tensor" else 3
+    groups = 8 if gran == "channel" else 1
+    assert lo.shape == hi.shape == (2, heads, 1, groups)
     np.testing.assert_allclose(lo.numpy(), want_lo, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(hi.numpy(), want_hi, rtol=1e-5, atol=1e-6)
 
@@ -73,48 +80,58 @@ def test_clipping_observers_clip_the_outlier(kv):
     p = QuantParams("int8", "head", static=True)
     full = observe(kv, p, "minmax")[1][0, 1].item()
     assert full == 40.0
-    assert observe(kv, p, "percentile:99.9")[1][0, 1].item() < 10 and observe(kv, p, "meanstd:3")[1][0, 1] < 10
+    assert observe(kv, p, "percentile:99.9")[1][0, 1].item() < 10
+    assert observe(kv, p, "meanstd:3")[1][0, 1] < 10
 
 
-@pytest.mark.parametrize("bad", ["max", "percentile", "percentile:0", "percentile:101", "meanstd:-1", "minmax:3"])
+@pytest.mark.parametrize("bad", ["max", "percentile", "percentile:0", "percentile:101",
+                                 "meanstd:-1", "minmax:3"])
 def test_bad_observer(bad):
     with pytest.raises(CalibrationError, match="bad observer"):
         parse_observer(bad)
 
 
 def test_scales_follow_quant_convention():
-    """sym: absmax / qmax (fp8: / 448); asym: (max - min) / qmax, integer zero = round(-min / scale)."""
+    """sym: absmax / qmax (fp8: / 448); asym: (max - min) / qmax, integer zero =
+    round(-min / scale)."""
     m = tiny()
     toks = list(range(0, 128, 3)) * 2
     rec = record(m, toks, window=40)
-    K, V = rec.stacked("k"), rec.stacked("v")
+    K, V = rec.stacked("k"), rec.stacked("v")  # (L, H, T, D)
     spec = KVSpec.parse("k=fp8:head:static,v=int4:channel:asym:static")
-    s = calibrate(m, toks, spec, window=40)
-    assert all(t.dtype == torch.float32 for t in s.values())
-    torch.testing.assert_close(s["k_scale"], K.abs().amax((2, 3), keepdim=True) / 448, rtol=2e-7, atol=0)
+    scales = calibrate(m, toks, spec, window=40)
+    assert all(t.dtype == torch.float32 for t in scales.values())
+    k_absmax = K.abs().amax((2, 3), keepdim=True)
+    torch.testing.assert_close(scales["k_scale"], k_absmax / 448, rtol=2e-7, atol=0)
     mn, mx = V.amin(2, keepdim=True), V.amax(2, keepdim=True)
-    torch.testing.assert_close(s["v_scale"], (mx - mn) / 15, rtol=1e-6, atol=0)
-    assert torch.equal(s["v_zero"], (-mn / s["v_scale"]).round())
+    torch.testing.assert_close(scales["v_scale"], (mx - mn) / 15, rtol=1e-6, atol=0)
+    assert torch.equal(scales["v_zero"], (-mn / scales["v_scale"]).round())
     # minmax scales hold every value seen: storing the calibration data itself clips nothing
-    for x, p, sc, z in ((K, spec.k, s["k_scale"], None), (V, spec.v, s["v_scale"], s["v_zero"])):
-        assert quantize(x, p, sc, z)[1] == 0
+    stored = ((K, spec.k, scales["k_scale"], None),
+              (V, spec.v, scales["v_scale"], scales["v_zero"]))
+    for x, p, scale, zero in stored:
+        assert quantize(x, p, scale, zero)[1] == 0
     s8 = calibrate(m, toks, KVSpec.parse("int8:tensor:static"), window=40)
-    torch.testing.assert_close(s8["v_scale"], V.abs().amax((1, 2, 3), keepdim=True) / 127, rtol=2e-7, atol=0)
+    v_absmax = V.abs().amax((1, 2, 3), keepdim=True)
+    torch.testing.assert_close(s8["v_scale"], v_absmax / 127, rtol=2e-7, atol=0)
 
 
 def test_static_tensor_matches_dynamic_tensor():
-    """Scales calibrated on the evaluation text itself: static per-tensor int8 ~ dynamic per-tensor int8."""
+    """Scales calibrated on the evaluation text itself: static per-tensor int8 ~ dynamic per-tensor
+    int8."""
     m = sharp_tiny()
     toks = sample_text(m, 256)
     spec = KVSpec.parse("int8:tensor:static")
     scales = calibrate(m, toks, spec, window=128)
-    static = perplexity(m, make_cache(m.cfg, spec, tokens=128, max_seqs=1, max_step_tokens=32, scales=scales), toks, 128, 32).ppl
+    cache = make_cache(m.cfg, spec, tokens=128, max_seqs=1, max_step_tokens=32, scales=scales)
+    static = perplexity(m, cache, toks, 128, 32).ppl
     dynamic, exact = ppl(m, toks, "int8:tensor"), ppl(m, toks, "fp32")
     assert static == pytest.approx(dynamic, rel=1e-3) and static == pytest.approx(exact, rel=1e-3)
 
 
 @pytest.fixture
 def saved(tmp_path):
+    """A scale file of a tiny model: (model, spec, scales, path)."""
     m = tiny()
     spec = KVSpec.parse("k=int8:channel:static,v=int4:head:asym:static")
     scales = calibrate(m, list(range(100)), spec, "percentile:99.5", window=64)
@@ -130,11 +147,13 @@ def test_file_round_trips_bit_exactly(saved):
     assert all(torch.equal(back[n], scales[n]) and back[n].dtype == torch.float32 for n in scales)
     with safe_open(str(path), framework="pt") as f:
         meta = f.metadata()
-    assert meta["spec"] == str(spec) and meta["observer"] == "percentile:99.5" and meta["tokens"] == "100"
-    assert (meta["n_layers"], meta["n_kv_heads"], meta["head_dim"], meta["model_type"]) == ("2", "2", "64", "llama")
+    assert meta["spec"] == str(spec) and meta["observer"] == "percentile:99.5"
+    assert meta["tokens"] == "100"
+    shape = (meta["n_layers"], meta["n_kv_heads"], meta["head_dim"], meta["model_type"])
+    assert shape == ("2", "2", "64", "llama")
     # a spec whose static parts agree may differ elsewhere (residual, a dynamic K)
-    assert load_scales(path, m.cfg, KVSpec.parse("k=int8,v=int4:head:asym:static,residual=32")).keys() == {
-        "v_scale", "v_zero"}
+    other = KVSpec.parse("k=int8,v=int4:head:asym:static,residual=32")
+    assert load_scales(path, m.cfg, other).keys() == {"v_scale", "v_zero"}
 
 
 @pytest.mark.parametrize("model,spec,why", [
@@ -169,6 +188,7 @@ def test_missing_or_foreign_file(tmp_path, saved):
     with pytest.raises(CalibrationError, match="not a safetensors file"):
         load_scales(tmp_path / "junk.safetensors", m.cfg, spec)
     from safetensors.torch import save_file
+
     save_file({"k_scale": torch.ones(1)}, str(tmp_path / "other.safetensors"))
     with pytest.raises(CalibrationError, match="not a tinykv scale file"):
         load_scales(tmp_path / "other.safetensors", m.cfg, spec)
@@ -184,20 +204,26 @@ def test_vllm_export(tmp_path, gran, dtype, qmax, kind):
     want = {"num_bits": 8, "type": kind, "strategy": "tensor" if gran == "tensor" else "attn_head",
             "dynamic": False, "symmetric": True}
     assert scheme == want
-    assert json.loads((tmp_path / "kv.kv_cache_scheme.json").read_text()) == {"kv_cache_scheme": want}
+    written = json.loads((tmp_path / "kv.kv_cache_scheme.json").read_text())
+    assert written == {"kv_cache_scheme": want}
     K = record(m, toks, window=90).stacked("k")  # (L, H, T, D)
     with safe_open(str(tmp_path / "kv.safetensors"), framework="pt") as f:
         names = set(f.keys())
         assert names == {f"model.layers.{i}.self_attn.{n}_scale" for i in range(2) for n in "kv"}
         for i in range(2):
             t = f.get_tensor(f"model.layers.{i}.self_attn.k_scale")
-            assert t.dtype == torch.float32 and t.shape == ((1,) if gran == "tensor" else (3, 1, 1))
-            amax = K[i].abs().amax() if gran == "tensor" else K[i].abs().amax((1, 2))
-            torch.testing.assert_close(t.flatten(), (amax / qmax).flatten().float(), rtol=1e-6, atol=0)
+            if gran == "tensor":
+                shape, amax = (1,), K[i].abs().amax()
+            else:
+                shape, amax = (3, 1, 1), K[i].abs().amax((1, 2))
+            assert t.dtype == torch.float32 and t.shape == shape
+            want_scale = (amax / qmax).flatten().float()
+            torch.testing.assert_close(t.flatten(), want_scale, rtol=1e-6, atol=0)
 
 
-@pytest.mark.parametrize("spec", ["int8:channel:static", "int8:tensor:asym:static", "k=fp8:static,v=int8:tensor:static",
-                                  "int4:tensor:static", "k=fp8:static,v=fp16"])
+@pytest.mark.parametrize("spec", ["int8:channel:static", "int8:tensor:asym:static",
+                                  "k=fp8:static,v=int8:tensor:static", "int4:tensor:static",
+                                  "k=fp8:static,v=fp16"])
 def test_vllm_export_refuses_what_it_cannot_express(tmp_path, spec):
     with pytest.raises(CalibrationError, match="vLLM"):
         export_vllm({}, KVSpec.parse(spec), tmp_path / "x.safetensors")

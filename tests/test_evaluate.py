@@ -9,8 +9,8 @@ import pytest
 import torch
 from test_cache import tiny
 
-from tinykv.cli import main
 from tinykv.cache import make_cache
+from tinykv.cli import main
 from tinykv.evaluate import as_stored, attention_error, perplexity, reference_perplexity
 from tinykv.quant import KVSpec, QuantParams
 
@@ -34,7 +34,8 @@ def sample_text(m, n: int, seed: int = 1) -> list[int]:
     cache.add_sequence(0)
     toks = [int(torch.randint(0, m.cfg.vocab_size, (1,), generator=g))]
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # one-token steps: syncing threads costs more than they save (10x on a busy box)
+    # one-token steps: syncing threads costs more than they save (10x on a busy box)
+    torch.set_num_threads(1)
     try:
         while len(toks) < n:
             plan = cache.plan([0], [toks[-1:]])
@@ -48,12 +49,16 @@ def sample_text(m, n: int, seed: int = 1) -> list[int]:
 
 @pytest.fixture(scope="module")
 def model_text():
+    """A sharp tiny model and 256 tokens sampled from it."""
     m = sharp_tiny()
     return m, sample_text(m, 256)
 
 
 def ppl(m, toks, spec: str, window=128, chunk=32, **kw) -> float:
-    return perplexity(m, make_cache(m.cfg, KVSpec.parse(spec), tokens=window, max_seqs=1, max_step_tokens=chunk, **kw), toks, window, chunk).ppl
+    """Perplexity of toks under a spec, through a cache sized for one window."""
+    cache = make_cache(m.cfg, KVSpec.parse(spec), tokens=window, max_seqs=1,
+                       max_step_tokens=chunk, **kw)
+    return perplexity(m, cache, toks, window, chunk).ppl
 
 
 @pytest.mark.parametrize("window,chunk,block_size", [(128, 32, 16), (100, 7, 16), (256, 256, 8)])
@@ -66,18 +71,21 @@ def test_fp32_equals_no_cache(model_text, window, chunk, block_size):
 
 def test_coarser_specs_score_worse(model_text):
     m, toks = model_text
-    r = {s: ppl(m, toks, s) for s in ["fp32", "int8", "int4", "int2"]}
+    r = {spec: ppl(m, toks, spec) for spec in ["fp32", "int8", "int4", "int2"]}
     assert r["int8"] == pytest.approx(r["fp32"], rel=1e-3)  # int8 noise is below sampling noise
     assert r["int2"] > r["int4"] > r["fp32"] * (1 - 1e-3) and r["int2"] > r["int8"]
 
 
 def test_result_fields(model_text):
     m, toks = model_text
-    cache = make_cache(m.cfg, KVSpec.parse("k=int4:channel:asym,v=int4:g32:asym,residual=16"), tokens=100, max_seqs=1, max_step_tokens=32)
+    kivi = "k=int4:channel:asym,v=int4:g32:asym,residual=16"
+    cache = make_cache(m.cfg, KVSpec.parse(kivi), tokens=100, max_seqs=1, max_step_tokens=32)
     res = perplexity(m, cache, toks[:250], window=100, chunk=32)
-    assert res.windows == 3 and res.tokens == 99 + 99 + 49  # the first token of each window is not predicted
-    assert res.kv == "k=int4:channel:asym,v=int4:g32:asym,residual=16"
-    assert res.kv_bytes_per_token == cache.bytes_per_token and cache.blocks_used == 0  # windows freed
+    # the first token of each window is not predicted
+    assert res.windows == 3 and res.tokens == 99 + 99 + 49
+    assert res.kv == kivi
+    # the windows were freed
+    assert res.kv_bytes_per_token == cache.bytes_per_token and cache.blocks_used == 0
 
 
 def test_as_stored_is_the_quantizer():
@@ -86,7 +94,8 @@ def test_as_stored_is_the_quantizer():
     for spec, tol in [("int8", 0.02), ("int4:channel:asym", 0.3), ("fp8", 0.15)]:
         y = as_stored(x, QuantParams.parse(spec), bs=16)
         assert 0 < (y - x).abs().max() < tol
-        if QuantParams.parse(spec).block_wise:  # the partial tail block (tokens 32..39) has no scales yet
+        # the partial tail block (tokens 32..39) has no scales yet
+        if QuantParams.parse(spec).block_wise:
             assert torch.equal(y[:, 32:], x[:, 32:])
 
 
@@ -94,7 +103,8 @@ def test_attention_error_separates_k_and_v(model_text):
     m, toks = model_text
     exact = attention_error(m, toks[:96], KVSpec.parse("fp32"))
     assert len(exact) == m.cfg.n_layers
-    assert all(abs(v) < 1e-6 for e in exact for k, v in e.items() if k != "layer")  # 1 - cos(x, x) rounds
+    # 1 - cos(x, x) rounds, so not exactly 0
+    assert all(abs(v) < 1e-6 for e in exact for k, v in e.items() if k != "layer")
     v_only = attention_error(m, toks[:96], KVSpec.parse("k=fp32,v=int4"))
     assert all(e["kl_k"] == 0 and abs(e["cos_k"]) < 1e-6 and e["cos_v"] > 1e-5 for e in v_only)
     both = attention_error(m, toks[:96], KVSpec.parse("int4"))
@@ -104,7 +114,7 @@ def test_attention_error_separates_k_and_v(model_text):
     assert all(e["kl_k"] == 0 for e in res)
 
 
-# ---- command line on a tiny Hugging Face-style checkpoint -------------------------------------------
+# ---- command line on a tiny Hugging Face-style checkpoint ----------------------------------------
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
     """A tiny llama checkpoint with a word-level tokenizer, and a text file of random words."""
@@ -118,19 +128,23 @@ def hf_dir(tmp_path_factory):
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(d / "tokenizer.json"))
     g = torch.Generator().manual_seed(2)
-    (d / "text.txt").write_text(" ".join(f"w{i}" for i in torch.randint(0, 255, (300,), generator=g).tolist()))
+    words = torch.randint(0, 255, (300,), generator=g).tolist()
+    (d / "text.txt").write_text(" ".join(f"w{i}" for i in words))
     return d
 
 
 def run_cli(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tinykv", *argv], capture_output=True, text=True, timeout=300)
+    """`python -m tinykv ARGV` in a subprocess, as a user runs it."""
+    return subprocess.run([sys.executable, "-m", "tinykv", *argv], capture_output=True, text=True,
+                          timeout=300)
 
 
 def test_cli_eval_json(hf_dir):
-    p = run_cli("eval", "--weights", str(hf_dir), "--device", "cpu", "--text", str(hf_dir / "text.txt"),
-                "--kv", "int8", "--window", "64", "--chunk", "16", "--max-tokens", "200", "--json", "--attn-error")
-    assert p.returncode == 0, p.stderr
-    out = json.loads(p.stdout)
+    proc = run_cli("eval", "--weights", str(hf_dir), "--device", "cpu",
+                   "--text", str(hf_dir / "text.txt"), "--kv", "int8", "--window", "64",
+                   "--chunk", "16", "--max-tokens", "200", "--json", "--attn-error")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
     assert out["kv"] == "int8" and out["tokens"] == 3 * 63 + 7 and out["ppl"] > 1
     assert out["kv_bytes_per_token"] > 0 and len(out["attn_error"]) == 2
 
@@ -139,10 +153,12 @@ def test_cli_calibrate_then_eval(hf_dir, tmp_path, capsys):
     scales, text = tmp_path / "s.safetensors", str(hf_dir / "text.txt")
     common = ["--weights", str(hf_dir), "--device", "cpu", "--text", text, "--window", "64"]
     assert main(["calibrate", *common, "--kv", "fp8:head:static", "--out", str(scales),
-                 "--vllm-out", str(tmp_path / "vllm.safetensors"), "--observer", "percentile:99.9"]) == 0
+                 "--vllm-out", str(tmp_path / "vllm.safetensors"),
+                 "--observer", "percentile:99.9"]) == 0
     assert (tmp_path / "vllm.kv_cache_scheme.json").exists()
     capsys.readouterr()
-    assert main(["eval", *common, "--kv", "fp8:head:static", "--kv-scales", str(scales), "--json"]) == 0
+    assert main(["eval", *common, "--kv", "fp8:head:static", "--kv-scales", str(scales),
+                 "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["kv"] == "fp8:head:static"
 
 
@@ -163,23 +179,30 @@ def test_cli_bad_scale_file_exits_1(hf_dir, tmp_path, capsys, kv, scales, why):
     elif scales in ("tensor", "other_model"):
         # other_model: same shapes as the checkpoint (2 layers, 2 KV heads of 64), another config;
         # tensor: this very checkpoint, but calibrated for another spec
-        m = tiny(n_heads=4, n_kv=2) if scales == "other_model" else Transformer.from_pretrained(hf_dir, device="cpu")
+        if scales == "other_model":
+            m = tiny(n_heads=4, n_kv=2)
+        else:
+            m = Transformer.from_pretrained(hf_dir, device="cpu")
         spec = KVSpec.parse("int8:tensor:static")
         save_scales(path, calibrate(m, list(range(40)), spec, window=40), m.cfg, spec, "minmax", 40)
-    code = main(["eval", "--weights", str(hf_dir), "--device", "cpu", "--text", str(hf_dir / "text.txt"),
-                 "--kv", kv, "--kv-scales", str(path), "--window", "64", "--max-tokens", "100"])
+    code = main(["eval", "--weights", str(hf_dir), "--device", "cpu",
+                 "--text", str(hf_dir / "text.txt"), "--kv", kv, "--kv-scales", str(path),
+                 "--window", "64", "--max-tokens", "100"])
     err = capsys.readouterr().err
     assert code == 1 and err.startswith("error: ") and why in err and err.count("\n") == 1, err
 
 
 def test_cli_plots(hf_dir, tmp_path, capsys):
     pytest.importorskip("matplotlib")
-    common = ["--weights", str(hf_dir), "--device", "cpu", "--text", str(hf_dir / "text.txt"), "--window", "64"]
-    assert main(["calibrate", *common, "--kv", "int8:channel:static", "--out", str(tmp_path / "s.safetensors"),
+    common = ["--weights", str(hf_dir), "--device", "cpu", "--text", str(hf_dir / "text.txt"),
+              "--window", "64"]
+    scales = str(tmp_path / "s.safetensors")
+    assert main(["calibrate", *common, "--kv", "int8:channel:static", "--out", scales,
                  "--plot", str(tmp_path / "channels.png")]) == 0
     capsys.readouterr()
-    assert main(["eval", *common, "--max-tokens", "128", "--kv", "int8", "--plot-specs", "int4", "int8:channel:static",
-                 "--kv-scales", str(tmp_path / "s.safetensors"), "--plot", str(tmp_path / "sweep.png"), "--json"]) == 0
+    assert main(["eval", *common, "--max-tokens", "128", "--kv", "int8",
+                 "--plot-specs", "int4", "int8:channel:static", "--kv-scales", scales,
+                 "--plot", str(tmp_path / "sweep.png"), "--json"]) == 0
     sweep = json.loads(capsys.readouterr().out)["sweep"]
     assert [r["kv"] for r in sweep] == ["int8", "int4", "int8:channel:static"]
     assert all((tmp_path / f).read_bytes()[:4] == b"\x89PNG" for f in ("channels.png", "sweep.png"))

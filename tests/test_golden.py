@@ -1,6 +1,8 @@
-"""The real model against goldens that transformers produced from the original GGUF (tests/make_goldens.py).
+"""The real model against goldens that transformers produced from the original GGUF
+(tests/make_goldens.py).
 
-This checks the conversion (fetch.py), the decoder, the tokenizer and the cached generation loop at once.
+This checks the conversion (fetch.py), the decoder, the tokenizer and the cached generation loop at
+once.
 """
 
 import subprocess
@@ -30,6 +32,7 @@ def tok(smollm2_dir):
 
 
 def prompt_text(case, tok):
+    """A golden case's prompt as text: the chat template applied, or the plain text."""
     return tok.apply_chat_template(case["messages"]) if case["chat"] else case["text"]
 
 
@@ -39,7 +42,8 @@ def test_prompt_ids_and_last_logits(model, tok, smollm2_goldens):
         assert ids == case["prompt_ids"]
         logits = model(torch.tensor([ids]))[0, -1]
         want = case["last_logits"]
-        torch.testing.assert_close(logits[want["top_ids"]], torch.tensor(want["top_values"]), atol=1e-3, rtol=0)
+        top = torch.tensor(want["top_values"])
+        torch.testing.assert_close(logits[want["top_ids"]], top, atol=1e-3, rtol=0)
         assert abs(torch.logsumexp(logits, 0).item() - want["logsumexp"]) < 1e-3
 
 
@@ -47,10 +51,11 @@ def test_prompt_ids_and_last_logits(model, tok, smollm2_goldens):
 def test_greedy_tokens_match_transformers(model, smollm2_goldens, spec):
     """All golden prompts decoded together (continuous batching) through the paged cache."""
     cases = smollm2_goldens["cases"]
-    eng = Engine(model, make_cache(model.cfg, KVSpec.parse(spec), blocks=64, block_size=16, max_seqs=len(cases)),
-                 eos_ids={smollm2_goldens["eos_token_id"]}, max_batch=len(cases))
-    rids = [eng.add(c["prompt_ids"], Sampling(temperature=0, max_new_tokens=smollm2_goldens["max_new_tokens"]))
-            for c in cases]
+    cache = make_cache(model.cfg, KVSpec.parse(spec), blocks=64, block_size=16,
+                       max_seqs=len(cases))
+    eng = Engine(model, cache, eos_ids={smollm2_goldens["eos_token_id"]}, max_batch=len(cases))
+    greedy = Sampling(temperature=0, max_new_tokens=smollm2_goldens["max_new_tokens"])
+    rids = [eng.add(c["prompt_ids"], greedy) for c in cases]
     list(eng.run())
     for rid, c in zip(rids, cases):
         assert eng.requests[rid].new_ids == c["new_ids"], c["text"] or c["messages"]
@@ -58,12 +63,16 @@ def test_greedy_tokens_match_transformers(model, smollm2_goldens, spec):
 
 def test_run_py_greedy_json(smollm2_goldens):
     import json
+
     case = smollm2_goldens["cases"][0]
-    out = subprocess.run([sys.executable, RUN, case["text"], "--temperature", "0", "--max-new-tokens", "12",
-                          "--kv", "fp32", "--json"], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, RUN, case["text"], "--temperature", "0",
+                          "--max-new-tokens", "12", "--kv", "fp32", "--json"],
+                         capture_output=True, text=True, check=True)
     d = json.loads(out.stdout)
     assert d["prompt_ids"] == case["prompt_ids"] and d["new_ids"] == case["new_ids"][:12]
-    assert d["stats"]["kv_bytes_per_token"] == 30 * 2 * 3 * 64 * 4 and d["stats"]["decode_tokens_per_s"] > 0
+    # 30 layers, K and V, 3 KV heads of 64 channels, 4 bytes
+    assert d["stats"]["kv_bytes_per_token"] == 30 * 2 * 3 * 64 * 4
+    assert d["stats"]["decode_tokens_per_s"] > 0
 
 
 @pytest.mark.parametrize("args, message", [
@@ -72,7 +81,8 @@ def test_run_py_greedy_json(smollm2_goldens):
     (["--max-new-tokens", "1", "--device-blocks", "1", "--block-size", "1"], "exhausted"),
 ])
 def test_cli_errors_are_one_line(args, message):
-    out = subprocess.run([sys.executable, RUN, "hello there", *args], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, RUN, "hello there", *args], capture_output=True,
+                         text=True)
     assert out.returncode != 0
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], out.stderr
@@ -83,4 +93,5 @@ def test_prompt_longer_than_context(tmp_path):
     long.write_text("word " * 9000)
     out = subprocess.run([sys.executable, RUN, "--prompt-file", str(long), "--whole-file"],
                          capture_output=True, text=True)
-    assert out.returncode == 1 and "context is 8192" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    assert out.returncode == 1 and "context is 8192" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1

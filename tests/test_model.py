@@ -11,6 +11,7 @@ from tinykv.quant import KVSpec
 
 @pytest.fixture(scope="module", params=ARCHS, ids=[a[0] for a in ARCHS])
 def pair(request, tmp_path_factory):
+    """(transformers' model, tinykv's model loaded from the files transformers saved)."""
     name, kind, h, kv, hd = request.param
     d = tmp_path_factory.mktemp(name)
     hf = make_hf_model(kind, h, kv, hd, d)
@@ -26,7 +27,8 @@ def test_logits_no_cache(pair):
 
 
 def test_cached_decode_matches_hf_cache(pair):
-    """Prefill 13 tokens, then decode one at a time through the paged fp32 cache, vs HF with its cache."""
+    """Prefill 13 tokens, then decode one at a time through the paged fp32 cache, vs HF with its
+    cache."""
     hf, m = pair
     ids = torch.randint(0, 256, (1, 30), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
@@ -49,6 +51,7 @@ def test_cached_decode_matches_hf_cache(pair):
 
 def test_bad_inputs(tmp_path):
     from tinykv.model import ModelError
+
     with pytest.raises(ModelError, match="not found"):
         Transformer.from_pretrained(tmp_path / "nope")
     (tmp_path / "config.json").write_text('{"model_type": "mamba"}')
@@ -58,8 +61,10 @@ def test_bad_inputs(tmp_path):
 
 def test_corrupt_safetensors(tmp_path):
     from tinykv.model import ModelError
-    (tmp_path / "config.json").write_text('{"model_type": "llama", "vocab_size": 8, "hidden_size": 8, '
-                                          '"num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 8}')
+
+    (tmp_path / "config.json").write_text(
+        '{"model_type": "llama", "vocab_size": 8, "hidden_size": 8, '
+        '"num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 8}')
     (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
     with pytest.raises(ModelError, match="corrupt safetensors"):
         Transformer.from_pretrained(tmp_path, device="cpu")

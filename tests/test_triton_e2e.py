@@ -1,4 +1,5 @@
-"""End to end: the real model's greedy tokens with the Triton kernels equal those with the torch reference.
+"""End to end: the real model's greedy tokens with the Triton kernels equal those with the torch
+reference.
 
 Without a GPU the kernels run through Triton's interpreter (conftest sets TRITON_INTERPRET=1).
 """
@@ -16,18 +17,23 @@ pytest.importorskip("triton")
 
 @pytest.fixture(scope="module")
 def model(smollm2_dir):
-    return Transformer.from_pretrained(smollm2_dir, device="cuda" if torch.cuda.is_available() else "cpu")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return Transformer.from_pretrained(smollm2_dir, device=device)
 
 
-# The interpreter is slow: two specs that between them cover packed codes, per-token and per-channel
-# scales, asymmetry and the full-precision residual merge (the kernel unit tests cover every format).
+# The interpreter is slow: two specs that between them cover packed codes, per-token and
+# per-channel scales, asymmetry and the full-precision residual merge (the kernel unit tests cover
+# every format).
 @pytest.mark.parametrize("spec", ["int4", "k=int4:channel:asym,v=int8:g32:asym,residual=16"])
 def test_triton_tokens_equal_torch(model, spec):
-    prompt = [504, 1463, 282, 260, 4469, 7057, 5634, 351]  # "The history of the Roman Empire begins with"
+    # "The history of the Roman Empire begins with"
+    prompt = [504, 1463, 282, 260, 4469, 7057, 5634, 351]
+    weight = next(model.parameters())
     out = []
     for attention in ("torch", "triton"):
-        eng = Engine(model, make_cache(model.cfg, KVSpec.parse(spec), blocks=16, block_size=16, attention=attention,
-                                         device=next(model.parameters()).device, dtype=next(model.parameters()).dtype))
+        cache = make_cache(model.cfg, KVSpec.parse(spec), blocks=16, block_size=16,
+                           attention=attention, device=weight.device, dtype=weight.dtype)
+        eng = Engine(model, cache)
         rid = eng.add(prompt, Sampling(temperature=0, max_new_tokens=5))
         list(eng.run())
         out.append(eng.requests[rid].new_ids)
