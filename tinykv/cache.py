@@ -107,8 +107,8 @@ class Plan:
             v = v @ rv
         self.cache.pools.write(layer, k, v, self.slots)
         o = self.cache.attend(layer, q, self)  # (N, Hq, D)
-        if self.cache.spec.evict in ("snapkv", "h2o"):  # policies that score by attention
-            self.cache.observe(layer, q, self)
+        if self.cache.evictor is not None:  # policies that score by attention look at q
+            self.cache.evictor.observe(self.cache, layer, q, self)
         if rv is not None:
             o = o @ rv.T  # sum p (v R) = (sum p v) R
         return o
@@ -136,7 +136,7 @@ class PagedKVCache:
             self.offload = Offloader(self.pools.moving(), off, self.device,
                                      self.pools.layer_rows)
         self.sm_scale = 1.0 / math.sqrt(cfg.head_dim)
-        self.scores: dict[int, torch.Tensor] = {}  # eviction: attention received (L, H, slots)
+        self.evictor = evict.Evictor(spec, cfg.n_layers, cfg.n_kv_heads) if spec.evict else None
         self.rotations = []  # per layer (R_k, R_v), each (D, D) or None
         for rk, rv in layer_rotations(spec, cfg.n_layers, cfg.head_dim):
             self.rotations.append(tuple(None if r is None else r.to(self.device, dtype)
@@ -203,7 +203,8 @@ class PagedKVCache:
 
     def free(self, seq_id: int) -> None:
         self.tables.free(seq_id)
-        self.scores.pop(seq_id, None)
+        if self.evictor is not None:
+            self.evictor.forget(seq_id)
 
     def length(self, seq_id: int) -> int:
         return len(self.tables.seqs[seq_id].tokens)
@@ -266,9 +267,9 @@ class PagedKVCache:
         elif logits != "all":
             logits_idx = last[logits].to(dev)
             sampled = [row in set(logits) for row in range(len(seq_ids))]
-        step_slots = self._step_slots(slots)
-        if self.spec.evict in ("snapkv", "h2o"):
-            self._prepare_scores(seq_ids, [len(t) for t in new_tokens])
+        step_slots = self.step_slots(slots)
+        if self.evictor is not None:
+            self.evictor.prepare(self, seq_ids, [len(t) for t in new_tokens])
         positions = _index(slots.positions, dev)
         q_slots = positions
         if slots.q_slots != slots.positions:  # evicted tokens: slots lag positions
@@ -278,7 +279,7 @@ class PagedKVCache:
                     torch.tensor(lens, dtype=torch.int32, device=dev), tables, step_slots,
                     logits_idx, chunks, [len(t) for t in new_tokens], sampled)
 
-    def _step_slots(self, slots: Slots) -> dict[int, tuple]:
+    def step_slots(self, slots: Slots) -> dict[int, tuple]:
         """pool -> (token index (a slice when all go there), block ids, offsets) as tensors."""
         out = {}
         for pool, (idx, blk, off) in slots.rows.items():
@@ -320,18 +321,14 @@ class PagedKVCache:
         """After a forward step: quantize hot blocks that no longer need full precision; hash;
         compact sequences over their eviction budget."""
         self.tables.commit(plan.seq_ids)
-        if not self.spec.evict:
-            return
-        for sid, n_new, sampled in zip(plan.seq_ids, plan.n_new, plan.sampled):
-            slots = self.tables.seqs[sid].slots
-            if slots <= self.spec.budget:
-                continue
-            # snapkv compacts once a prompt is in: its last queries are the question
-            prompt_chunk = self.spec.evict == "snapkv" and n_new > 1 and sampled
-            if prompt_chunk or evict.over_budget(self.spec.evict, slots, self.spec.budget, self.bs):
-                self.compact(sid)
+        if self.evictor is not None:
+            self.evictor.after_step(self, plan)
 
-    # ---- eviction (evict.py) --------------------------------------------------------------------
+    def compact(self, seq_id: int) -> None:
+        """Evict a sequence down to its budget now (evict.py)."""
+        self.evictor.compact(self, seq_id)
+
+    # ---- a sequence's K and V, dequantized (eviction reads them) --------------------------------
     def seq_kv(self, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A sequence's keys and values as stored, dequantized: (L, H, slots, D) each, float32.
         Offloaded blocks come back to the device first."""
@@ -345,11 +342,11 @@ class PagedKVCache:
         for i in range(2):  # K, V
             layers = []
             for layer in range(self.cfg.n_layers):
-                layers.append(self._layer_kv(layer, i, tables))
+                layers.append(self.layer_kv(layer, i, tables))
             out.append(torch.stack(layers)[..., :st.slots, :])  # (L, H, slots, D)
         return out[0], out[1]
 
-    def _layer_kv(self, layer: int, i: int, tables: dict[int, torch.Tensor]) -> torch.Tensor:
+    def layer_kv(self, layer: int, i: int, tables: dict[int, torch.Tensor]) -> torch.Tensor:
         """K (i=0) or V (i=1) of one layer of one sequence (tables (1, MB) per pool): (H, S, D)."""
         x = gather_dequant(self.pools.layer(layer)[i], tables[STORE])[0]  # (H, S, D)
         if HOT in tables:
@@ -357,59 +354,6 @@ class PagedKVCache:
             in_hot = (tables[HOT][0] >= 0).repeat_interleave(self.bs)  # (S,)
             x = torch.where(in_hot[None, :, None], hot, x)
         return x
-
-    def compact(self, seq_id: int) -> None:
-        """Keep the spec's budget of tokens per layer and KV head; free the rest's blocks."""
-        spec, st = self.spec, self.tables.seqs[seq_id]
-        k, v = self.seq_kv(seq_id)  # (L, H, n, D)
-        L, H, n, D = k.shape
-        score = self.scores.get(seq_id)
-        if score is not None:
-            score = score[..., :n]
-        keep = evict.select(spec.evict, n, spec.budget, spec.sink, spec.residual, keys=k,
-                            score=score).expand(L, H, -1)  # (L, H, budget)
-        idx = keep[..., None].expand(-1, -1, -1, D)
-        k, v = k.gather(2, idx), v.gather(2, idx)  # (L, H, budget, D)
-        slots = self.tables.rewrite(seq_id, spec.budget)
-        step = self._step_slots(slots)
-        for layer in range(L):
-            self.pools.write(layer, k[layer].transpose(0, 1), v[layer].transpose(0, 1), step)
-        self.tables.commit([seq_id])
-        if score is not None:
-            self.scores[seq_id] = score.gather(-1, keep)
-        assert st.slots == spec.budget
-
-    def observe(self, layer: int, q: torch.Tensor, plan: Plan) -> None:
-        """Attention each cached slot receives from this step's queries, per sequence and KV
-        head: accumulated for h2o; for snapkv, from a prompt chunk's last queries."""
-        start = 0
-        for row, (sid, n_new) in enumerate(zip(plan.seq_ids, plan.n_new)):
-            rows = slice(start, start + n_new)
-            start += n_new
-            if self.spec.evict == "snapkv" and (n_new == 1 or not plan.sampled[row]):
-                continue  # decoding appends as usual; a prompt is scored at its end
-            if self.spec.evict == "snapkv":
-                rows = slice(max(rows.start, rows.stop - evict.WINDOW), rows.stop)
-            n = int(plan.ctx_lens[row])
-            tables = {tier: t[row:row + 1] for tier, t in plan.tables.items()}
-            keys = self._layer_kv(layer, 0, tables)[:, :n]  # (H, n, D)
-            got = evict.attention_received(q[rows], plan.q_slots[rows], keys, self.sm_scale)
-            self.scores[sid][layer, :, :n] += got  # (H, n)
-
-    def _prepare_scores(self, seq_ids: list[int], n_new: list[int]) -> None:
-        """Room in the score buffers for this step's slots: snapkv scores each prompt chunk
-        afresh, h2o keeps adding up."""
-        for sid, n in zip(seq_ids, n_new):
-            slots = self.tables.seqs[sid].slots
-            old = self.scores.get(sid)
-            if self.spec.evict == "snapkv" and n == 1:
-                continue  # scores are made only for prompt chunks
-            if self.spec.evict == "snapkv" or old is None or old.shape[-1] < slots:
-                H = self.cfg.n_kv_heads
-                fresh = torch.zeros(self.cfg.n_layers, H, 2 * slots, device=self.device)
-                if old is not None and self.spec.evict == "h2o":
-                    fresh[..., :old.shape[-1]] = old
-                self.scores[sid] = fresh
 
 
 def _index(x: list[int], device: torch.device) -> torch.Tensor:

@@ -21,10 +21,10 @@ windows and offload (an evicted block is freed, never staged).
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
+
+from .spec import KVSpec
 
 WINDOW = 32  # snapkv's observation window: the prompt's last queries
 POOL = 7  # snapkv pools scores over this many neighbouring slots, so kept tokens come in runs
@@ -92,6 +92,81 @@ def over_budget(policy: str, slots: int, budget: int, block_size: int) -> bool:
     return slots - budget >= block_size
 
 
-def pool_bytes_bound(budget: int, block_size: int, bytes_per_token: float) -> float:
-    """KV bytes a sequence holds at most under eviction (store pool): its budget plus one block."""
-    return math.ceil((budget + block_size) / block_size) * block_size * bytes_per_token
+class Evictor:
+    """One cache's eviction: the scores a policy keeps per sequence, and when to compact. It reads
+    and rewrites a sequence through the cache's public parts (seq_kv, layer_kv, tables, pools)."""
+
+    def __init__(self, spec: KVSpec, n_layers: int, n_kv_heads: int):
+        self.spec, self.n_layers, self.n_kv_heads = spec, n_layers, n_kv_heads
+        self.scores: dict[int, torch.Tensor] = {}  # attention received (L, H, room >= slots)
+
+    def forget(self, seq_id: int) -> None:
+        self.scores.pop(seq_id, None)
+
+    def prepare(self, cache, seq_ids: list[int], n_new: list[int]) -> None:
+        """Room in the score buffers for this step's slots: snapkv scores a prompt's last chunk
+        afresh, h2o keeps adding up."""
+        policy = self.spec.evict
+        if policy not in ("snapkv", "h2o"):
+            return
+        for sid, n in zip(seq_ids, n_new):
+            if policy == "snapkv" and n == 1:
+                continue  # decoding appends as usual
+            slots = cache.slots(sid)
+            old = self.scores.get(sid)
+            if policy == "h2o" and old is not None and old.shape[-1] >= slots:
+                continue
+            fresh = torch.zeros(self.n_layers, self.n_kv_heads, 2 * slots, device=cache.device)
+            if policy == "h2o" and old is not None:
+                fresh[..., :old.shape[-1]] = old
+            self.scores[sid] = fresh
+
+    def observe(self, cache, layer: int, q: torch.Tensor, plan) -> None:
+        """Attention each cached slot receives from this step's queries q (N, Hq, D), per
+        sequence and KV head: accumulated for h2o; for snapkv, from a prompt's last queries."""
+        policy = self.spec.evict
+        if policy not in ("snapkv", "h2o"):
+            return
+        start = 0
+        for row, (sid, n_new) in enumerate(zip(plan.seq_ids, plan.n_new)):
+            rows = slice(start, start + n_new)
+            start += n_new
+            if policy == "snapkv":
+                if n_new == 1 or not plan.sampled[row]:
+                    continue  # a prompt is scored at its end, by its last WINDOW queries
+                rows = slice(max(rows.start, rows.stop - WINDOW), rows.stop)
+            n = int(plan.ctx_lens[row])
+            tables = {tier: t[row:row + 1] for tier, t in plan.tables.items()}
+            keys = cache.layer_kv(layer, 0, tables)[:, :n]  # (H, n, D)
+            got = attention_received(q[rows], plan.q_slots[rows], keys, cache.sm_scale)
+            self.scores[sid][layer, :, :n] += got  # (H, n)
+
+    def after_step(self, cache, plan) -> None:
+        """Compact the step's sequences that went over budget (snapkv: once a prompt is in)."""
+        budget = self.spec.budget
+        for sid, n_new, sampled in zip(plan.seq_ids, plan.n_new, plan.sampled):
+            slots = cache.slots(sid)
+            if slots <= budget:
+                continue
+            prompt_in = self.spec.evict == "snapkv" and n_new > 1 and sampled
+            if prompt_in or over_budget(self.spec.evict, slots, budget, cache.bs):
+                self.compact(cache, sid)
+
+    def compact(self, cache, seq_id: int) -> None:
+        """Keep the budget per layer and KV head; give every other block back to the pool."""
+        spec = self.spec
+        k, v = cache.seq_kv(seq_id)  # (L, H, n, D)
+        L, H, n, D = k.shape
+        score = self.scores.get(seq_id)
+        if score is not None:
+            score = score[..., :n]  # (L, H, n)
+        keep = select(spec.evict, n, spec.budget, spec.sink, spec.residual, keys=k, score=score)
+        keep = keep.expand(L, H, -1)  # (L, H, budget), ascending
+        idx = keep[..., None].expand(-1, -1, -1, D)
+        k, v = k.gather(2, idx), v.gather(2, idx)  # (L, H, budget, D)
+        step = cache.step_slots(cache.tables.rewrite(seq_id, spec.budget))
+        for layer in range(L):
+            cache.pools.write(layer, k[layer].transpose(0, 1), v[layer].transpose(0, 1), step)
+        cache.tables.commit([seq_id])
+        if score is not None:
+            self.scores[seq_id] = score.gather(-1, keep)

@@ -1,0 +1,313 @@
+"""The KV spec: one user-facing string that says how keys and values are stored, parsed into
+`KVSpec` (and `QuantParams` per part), printed back canonically, with a one-line error naming the
+bad part of a malformed one. The grammar is in DESIGN.md and the README.
+
+SPEC  := PART ("," PART)* ("," OPTION)*
+PART  := ["k=" | "v="] DTYPE [":" GRAN] [":" sym|asym] [":" static|dynamic] [":rot"]
+OPTION:= residual=N | sink=N | skip=L[:L...] | evict=POLICY:N
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = ("fp32", "fp16", "bf16", "fp8", "int8", "int4", "int2")
+GRANS = ("tensor", "head", "channel", "token")  # plus gN, held as gran="group", group=N
+_FLOAT = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+_BITS = {"fp32": 32, "fp16": 16, "bf16": 16, "fp8": 8, "int8": 8, "int4": 4, "int2": 2}
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+class SpecError(ValueError):
+    """A malformed KV spec; the message is one line naming the bad part."""
+
+
+def _fail(spec: str, why: str, part: str | None = None) -> SpecError:
+    where = f" in {part!r}" if part not in (None, spec) else ""
+    return SpecError(f"bad KV spec {spec!r}: {why}{where}")
+
+
+def _default_gran(dtype: str) -> str:
+    if dtype.startswith("int"):
+        return "token"
+    return "tensor"
+
+
+def _problem(dtype: str, gran: str, group: int, sym: bool, static: bool, rot: bool) -> str | None:
+    """Why these fields are no valid format, or None; shared by parse and the constructor."""
+    if dtype not in DTYPES:
+        return f"unknown dtype {dtype!r} (expected one of {', '.join(DTYPES)})"
+    if gran not in GRANS + ("group",) or (gran == "group") != (group > 0):
+        return f"bad granularity {gran!r} (expected {'|'.join(GRANS)}|gN with N > 0)"
+    if dtype in _FLOAT and (gran, sym, static) != ("tensor", True, False):
+        return f"{dtype} is stored by plain cast and takes no options but rot"
+    if dtype == "fp8" and not sym:
+        return "fp8 supports sym only"
+    if static and gran in ("token", "group"):
+        return f"static needs tensor/head/channel scales (per-{gran} scales cannot be calibrated)"
+    return None
+
+
+def _option_key(opt: str) -> str | None:
+    """Which field a PART option sets."""
+    if opt in GRANS or opt.startswith("g"):
+        return "gran"
+    if opt in ("sym", "asym"):
+        return "sym"
+    if opt in ("static", "dynamic"):
+        return "static"
+    if opt == "rot":
+        return "rot"
+    return None
+
+
+@dataclass(frozen=True)
+class QuantParams:
+    """How one of K or V is stored. Float dtypes are a plain cast (gran "tensor", sym, dynamic).
+    `rot`: a seeded orthogonal rotation per KV head before quantizing (rotation_matrix)."""
+
+    dtype: str
+    gran: str = ""  # tensor | head | channel | token | group; "" = the dtype's default
+    group: int = 0  # channels per group when gran == "group", else 0
+    sym: bool = True
+    static: bool = False
+    rot: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.gran:
+            object.__setattr__(self, "gran", _default_gran(self.dtype))
+        # Every instance is valid and canonical, so str() always round-trips through parse().
+        why = _problem(self.dtype, self.gran, self.group, self.sym, self.static, self.rot)
+        if why:
+            raise _fail(str(self), why)
+
+    @classmethod
+    def parse(cls, part: str, spec: str | None = None) -> QuantParams:
+        """Parse 'DTYPE[:GRAN][:sym|asym][:static|dynamic][:rot]' (no k=/v= prefix)."""
+        spec = part if spec is None else spec
+        dtype, *opts = (t.strip() for t in part.split(":"))
+        if dtype in _FLOAT and opts not in ([], ["rot"]):
+            raise _fail(spec, f"{dtype} is stored by plain cast and takes no options but rot",
+                        part)
+        kw: dict = {}
+        for o in opts:
+            key = _option_key(o)
+            if key is None:
+                raise _fail(spec, f"unknown option {o!r} (expected {'|'.join(GRANS)}|gN, "
+                            "sym|asym, static|dynamic or rot)", part)
+            if key in kw:
+                raise _fail(spec, f"{key} given twice", part)
+            kw[key] = o if key == "gran" else o in ("sym", "static", "rot")
+        gran, group = kw.get("gran", _default_gran(dtype)), 0
+        if gran not in GRANS:  # gN
+            digits = gran[1:]
+            if not (digits.isascii() and digits.isdigit() and int(digits) > 0):
+                raise _fail(spec, f"bad group size {gran!r} (expected gN with N > 0)", part)
+            gran, group = "group", int(digits)
+        fields = (dtype, gran, group, kw.get("sym", True), kw.get("static", False),
+                  kw.get("rot", False))
+        why = _problem(*fields)
+        if why:
+            raise _fail(spec, why, part)
+        return cls(*fields)
+
+    def __str__(self) -> str:
+        out = self.dtype
+        if self.gran == "group":
+            out += f":g{self.group}"
+        elif self.gran != _default_gran(self.dtype):
+            out += f":{self.gran}"
+        if not self.sym:
+            out += ":asym"
+        if self.static:
+            out += ":static"
+        if self.rot:
+            out += ":rot"
+        return out
+
+    def check(self, head_dim: int) -> None:
+        """Raise SpecError unless rows of head_dim channels fit this format (groups, packing)."""
+        if head_dim % max(self.group, 1) or head_dim % self.per_byte:
+            raise _fail(str(self), f"head_dim {head_dim} is not a multiple of the group size "
+                        f"{self.group} / values per byte {self.per_byte}")
+
+    @property
+    def is_float(self) -> bool:
+        return self.dtype in _FLOAT
+
+    @property
+    def bits(self) -> int:
+        return _BITS[self.dtype]
+
+    @property
+    def per_byte(self) -> int:
+        """Values per stored element: int4 and int2 codes are packed into bytes."""
+        return {"int4": 2, "int2": 4}.get(self.dtype, 1)
+
+    @property
+    def offset(self) -> int:
+        """Stored code minus offset is the signed value: sym int4/int2 codes are stored unsigned."""
+        if self.sym and self.per_byte > 1:
+            return 2 ** (self.bits - 1)
+        return 0
+
+    @property
+    def qmax(self) -> int:
+        """Largest code: the signed range (sym), the code range (asym), 448 for fp8."""
+        if self.is_float:
+            return 0
+        if self.dtype == "fp8":
+            return int(FP8_MAX)
+        if self.sym:
+            return 2 ** (self.bits - 1) - 1
+        return 2**self.bits - 1
+
+    @property
+    def qmin(self) -> int:
+        return -self.qmax if self.sym else 0
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        if self.is_float:
+            return _FLOAT[self.dtype]
+        if self.dtype == "fp8":
+            return torch.float8_e4m3fn
+        if self.dtype == "int8" and self.sym:
+            return torch.int8
+        return torch.uint8
+
+    @property
+    def block_wise(self) -> bool:
+        """Scales shared across tokens, computed dynamically: once per block, when it fills."""
+        shared = self.gran in ("tensor", "head", "channel")
+        return shared and not self.static and not self.is_float
+
+    def ngroups(self, head_dim: int) -> int:
+        return {"group": head_dim // max(self.group, 1), "channel": head_dim}.get(self.gran, 1)
+
+    def scale_shape(self, n_heads: int, tokens: int, head_dim: int) -> tuple[int, int, int] | None:
+        """Shape of scale (and zero) for an (n_heads, tokens, head_dim) tensor; None: no scales."""
+        if self.is_float:
+            return None
+        h = 1 if self.gran == "tensor" else n_heads
+        t = tokens if self.gran in ("token", "group") else 1
+        return (h, t, self.ngroups(head_dim))
+
+
+EVICT_POLICIES = ("streaming", "knorm", "snapkv", "h2o")
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    """A parsed KV spec: how K and V are stored; how many first (sink) and recent (residual)
+    tokens stay in full precision; which layers skip quantization (negative: from the end); and
+    an eviction policy with its token budget per sequence and KV head."""
+
+    k: QuantParams
+    v: QuantParams
+    residual: int = 0
+    sink: int = 0
+    skip: tuple[int, ...] = ()
+    evict: str = ""  # a policy of EVICT_POLICIES, or "" for none
+    budget: int = 0  # tokens kept per sequence and KV head under `evict`
+
+    def __post_init__(self) -> None:
+        if min(self.residual, self.sink, self.budget) < 0:
+            raise SpecError(f"bad KV spec {str(self)!r}: residual, sink and budgets must be >= 0")
+        if bool(self.evict) != (self.budget > 0) or self.evict not in ("",) + EVICT_POLICIES:
+            raise SpecError(f"bad KV spec {str(self)!r}: evict needs a policy and a budget > 0")
+
+    @classmethod
+    def parse(cls, s: str) -> KVSpec:
+        parts: dict[str, QuantParams] = {}  # "k"/"v", plus "k="/"v=" once set explicitly
+        opts: dict = {}
+        for item in (t.strip() for t in s.split(",")):
+            key, eq, val = (t.strip() for t in item.partition("="))
+            if not item:
+                raise _fail(s, "empty spec" if not s.strip() else "empty part (stray comma?)")
+            if eq and key not in ("k", "v"):
+                if key in opts:
+                    raise _fail(s, f"{key} given twice", item)
+                opts.update(_parse_option(s, item, key, val))
+                continue
+            if opts:
+                raise _fail(s, "options must come after the parts", item)
+            targets = (key,) if eq else ("k", "v")
+            # A bare part sets both, so it must come first; each k=/v= may then override it once.
+            if (not eq and parts) or any(t + "=" in parts for t in targets):
+                raise _fail(s, f"{'/'.join(targets)} set twice", item)
+            qp = QuantParams.parse(val if eq else item, s)
+            for t in targets:
+                parts[t] = qp
+                if eq:
+                    parts[t + "="] = qp
+        missing = [t for t in ("k", "v") if t not in parts]
+        if missing:
+            raise _fail(s, f"{missing[0]} is never set (add {missing[0]}=DTYPE or a part "
+                        "without k=/v=)")
+        return cls(parts["k"], parts["v"], **opts)
+
+    def __str__(self) -> str:
+        if self.k == self.v:
+            out = [str(self.k)]
+        else:
+            out = [f"k={self.k}", f"v={self.v}"]
+        if self.residual:
+            out.append(f"residual={self.residual}")
+        if self.sink:
+            out.append(f"sink={self.sink}")
+        if self.skip:
+            out.append("skip=" + ":".join(str(i) for i in self.skip))
+        if self.evict:
+            out.append(f"evict={self.evict}:{self.budget}")
+        return ",".join(out)
+
+    @property
+    def needs_scales(self) -> bool:
+        """Static parts take their scales from a calibration file."""
+        return self.k.static or self.v.static
+
+    @property
+    def is_float(self) -> bool:
+        return self.k.is_float and self.v.is_float
+
+    def skipped(self, n_layers: int) -> set[int]:
+        """The layers kept at the model's dtype, negative indices resolved."""
+        out = set()
+        for i in self.skip:
+            if not -n_layers <= i < n_layers:
+                raise SpecError(f"bad KV spec {str(self)!r}: skip={i} is outside the model's "
+                                f"{n_layers} layers")
+            out.add(i % n_layers)
+        return out
+
+
+def _parse_option(s: str, item: str, key: str, val: str) -> dict:
+    """One OPTION of a spec (residual=N, sink=N, skip=L:L, evict=POLICY:N) as KVSpec fields."""
+    if key in ("residual", "sink"):
+        if not (val.isascii() and val.isdigit()):
+            raise _fail(s, f"{key} needs an integer >= 0", item)
+        return {key: int(val)}
+    if key == "skip":
+        layers = []
+        for t in val.split(":"):
+            t = t.strip()
+            body = t.removeprefix("-")
+            if not (body.isascii() and body.isdigit()):
+                raise _fail(s, "skip needs layer indices, e.g. skip=0:1:-1", item)
+            if int(t) in layers:
+                raise _fail(s, f"layer {int(t)} skipped twice", item)
+            layers.append(int(t))
+        return {"skip": tuple(layers)}
+    if key == "evict":
+        policy, _, n = (t.strip() for t in val.partition(":"))
+        if policy not in EVICT_POLICIES:
+            raise _fail(s, f"unknown eviction policy {policy!r} (expected "
+                        f"{'|'.join(EVICT_POLICIES)})", item)
+        if not (n.isascii() and n.isdigit() and int(n) > 0):
+            raise _fail(s, "evict needs a token budget > 0, e.g. evict=snapkv:1024", item)
+        return {"evict": policy, "budget": int(n)}
+    raise _fail(s, f"unknown option {key!r} (expected residual=N, sink=N, skip=L:L or "
+                "evict=POLICY:N)", item)
