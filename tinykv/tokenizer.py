@@ -23,7 +23,15 @@ class TokenizerError(ValueError):
 def _read_json(path: Path) -> dict:
     """A JSON file's contents, or {} when the file is absent (every one but tokenizer.json is
     optional)."""
-    return json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+    if not path.exists():
+        return {}
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise TokenizerError(f"malformed {path}: {e}") from None
+    if not isinstance(obj, dict):
+        raise TokenizerError(f"malformed {path}: not a JSON object")
+    return obj
 
 
 def _as_set(value: int | list[int] | None) -> set[int]:
@@ -57,7 +65,11 @@ class Tokenizer:
         if not (path / "tokenizer.json").exists():
             raise TokenizerError(f"no tokenizer.json in {path} "
                                  "(`python -m tinykv fetch` gets the default)")
-        tok = HFTokenizer.from_file(str(path / "tokenizer.json"))
+        try:
+            tok = HFTokenizer.from_file(str(path / "tokenizer.json"))
+        except Exception as e:  # the tokenizers library raises a bare Exception for a bad file
+            first = (str(e).strip().splitlines() or ["unreadable"])[0]
+            raise TokenizerError(f"malformed {path / 'tokenizer.json'}: {first}") from None
         tcfg = _read_json(path / "tokenizer_config.json")
         names = {}  # bos_token / eos_token: a string, or an AddedToken-style dict
         for key in ("bos_token", "eos_token"):
