@@ -19,7 +19,8 @@ import torch
 
 from .blocks import STORE, PoolExhausted
 from .cache import PagedKVCache
-from .model import Transformer
+from .model import Config, Transformer
+from .quant import KVSpec
 
 
 class NumericsError(RuntimeError):
@@ -134,7 +135,8 @@ class Engine:
         self.stats.preemptions += 1
 
     def step(self) -> list[tuple[int, int]]:
-        """One model step over all running requests; returns the (request id, token) pairs sampled."""
+        """One model step over all running requests; returns the (request id, token) pairs
+        sampled."""
         self._admit()
         t0 = time.perf_counter()
         while True:
@@ -166,7 +168,8 @@ class Engine:
         out = []
         for r, toks in zip(list(self.running), feed):
             r.cached += len(toks)
-        for row, i in enumerate(done):  # requests that consumed all their known tokens sample one more
+        # requests that consumed all their known tokens sample one more
+        for row, i in enumerate(done):
             for child in self._fork(self.running[i]):
                 tok = sample(logits[row], child.sampling, child.gen)
                 child.tokens.append(tok)
@@ -188,7 +191,8 @@ class Engine:
         return out
 
     def _fork(self, r: Request) -> list[Request]:
-        """The first time a request with n > 1 samples, split it into n sequences sharing its blocks."""
+        """The first time a request with n > 1 samples, split it into n sequences sharing its
+        blocks."""
         if r.n == 1:
             return [r]
         kids = [r]
@@ -216,25 +220,48 @@ class Engine:
             yield from self.step()
 
 
+SATURATION_WARN = 0.001  # the share of cached values clipped, overflowed or NaN that is reported
+
+
+def saturation_warning(saturated: int, tokens: int, cfg: Config, spec: KVSpec) -> str | None:
+    """What to tell the user when more than SATURATION_WARN of the values a cache stored for
+    `tokens` tokens were clipped by static scales, overflowed a float format or were NaN; None
+    when fewer were."""
+    stored = tokens * 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim
+    if not stored or saturated <= SATURATION_WARN * stored:
+        return None
+    if spec.needs_scales:
+        why = "the static scales do not fit this input (recalibrate)"
+    else:
+        why = f"the values do not fit '{spec}' (try a wider spec, e.g. bf16 or fp32)"
+    return (f"{saturated} of {stored} cached values ({100 * saturated / stored:.2f}%) were "
+            f"clipped, overflowed or NaN: {why}")
+
+
+def numerics_warning(eng: Engine) -> str | None:
+    """saturation_warning for what the engine has stored so far (call it after prefill, and at
+    the end)."""
+    st = eng.stats
+    return saturation_warning(eng.cache.saturated, st.prefill_tokens + st.decode_tokens,
+                              eng.model.cfg, eng.cache.spec)
+
+
 def generation_stats(eng: Engine) -> dict:
     """Speeds, cache memory and numerics of a finished run; `warnings` lists what the user must see
-    (values that static scales clipped past 0.1%)."""
+    (values clipped, overflowed or NaN past SATURATION_WARN)."""
     st, cache = eng.stats, eng.cache
-    cfg = eng.model.cfg
     out = {
         "prefill_tokens_per_s": st.prefill_tokens / st.prefill_s if st.prefill_s else 0.0,
         "decode_tokens_per_s": st.decode_tokens / st.decode_s if st.decode_s else 0.0,
         "kv_spec": str(cache.spec), "kv_bytes_per_token": cache.bytes_per_token,
         "kv_pool_bytes": cache.nbytes, "blocks_used": cache.peak_blocks,
-        "blocks_total": cache.num_blocks, "preemptions": st.preemptions,
-        "saturated_values": cache.saturated, "attention": cache.kernels.name, "warnings": [],
+        "blocks_total": cache.num_blocks, "hot_blocks_total": cache.n_hot,
+        "preemptions": st.preemptions, "saturated_values": cache.saturated,
+        "attention": cache.kernels.name, "warnings": [],
     }
-    stored = (st.prefill_tokens + st.decode_tokens) * 2 * cfg.n_layers * cfg.n_kv_heads
-    stored *= cfg.head_dim
-    if stored and cache.saturated > 0.001 * stored:
-        out["warnings"].append(f"{cache.saturated} of {stored} cached values "
-                               f"({100 * cache.saturated / stored:.2f}%) were clipped or NaN: "
-                               "the static scales do not fit this input (recalibrate)")
+    w = numerics_warning(eng)
+    if w:
+        out["warnings"].append(w)
     if cache.offload:
         off = cache.offload_stats()
         moved = sum(v for k, v in off.items() if k.startswith("bytes_"))
