@@ -5,4 +5,4 @@ import sys
 from tinykv.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main(["generate", *sys.argv[1:]]))
+    sys.exit(main(["generate", *sys.argv[1:]], generate_prog="run.py"))

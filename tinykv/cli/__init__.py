@@ -4,14 +4,14 @@ and prints (commands.py, bench.py); nothing in the library imports it."""
 
 from __future__ import annotations
 
+import signal
 import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
-from .bench import cmd_bench
-from .commands import cmd_calibrate, cmd_eval, cmd_fetch, cmd_generate
-from .parser import build_parser
-
-COMMANDS = {"generate": cmd_generate, "fetch": cmd_fetch, "calibrate": cmd_calibrate,
-            "eval": cmd_eval, "bench": cmd_bench}
+from .inputs import check_early
+from .parser import ArgError, build_parser, resolve_specs
 
 
 def is_user_error(e: BaseException) -> bool:
@@ -20,13 +20,48 @@ def is_user_error(e: BaseException) -> bool:
         "tinykv.")
 
 
-def main(argv: list[str] | None = None) -> int:
+@contextmanager
+def interrupts_held() -> Iterator[None]:
+    """Hold Ctrl-C back until the block ends. A SIGINT that lands inside the import of a compiled
+    extension (torch, numpy, numba) can leave it half loaded and surface later as an unrelated
+    ImportError; held, it is raised as KeyboardInterrupt right after the import."""
+    if not hasattr(signal, "pthread_sigmask") or threading.current_thread() is not \
+            threading.main_thread():
+        yield
+        return
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
-        args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-        COMMANDS[args.cmd](args)
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
+def load_command(name: str) -> Callable:
+    """The function that runs subcommand `name`; importing it imports torch and the library."""
+    with interrupts_held():
+        if name == "bench":
+            from .bench import cmd_bench
+            return cmd_bench
+        from . import commands
+    return {"generate": commands.cmd_generate, "fetch": commands.cmd_fetch,
+            "calibrate": commands.cmd_calibrate, "eval": commands.cmd_eval}[name]
+
+
+def main(argv: list[str] | None = None, generate_prog: str | None = None) -> int:
+    """Run one command line; returns the exit status (0, 1 for an error, 2 for a bad flag,
+    130 when interrupted). Errors are one `error:` line on stderr."""
+    try:
+        args = build_parser(generate_prog).parse_args(sys.argv[1:] if argv is None else argv)
+        check_early(args)
+        run = load_command(args.cmd)
+        resolve_specs(args)
+        run(args)
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130
+    except ArgError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except Exception as e:
         if not is_user_error(e):
             raise

@@ -5,7 +5,8 @@ from __future__ import annotations
 import shlex
 import sys
 
-from .commands import load_model, read_text
+from .commands import load_model
+from .inputs import read_text
 
 
 def cmd_bench(args) -> None:

