@@ -1,0 +1,134 @@
+"""The roofline benchmark (tinykv/bench/roofline.py) in its quick mode, shrunk further to a tiny
+random Llama: the synthetic fill, the bytes each row counts, the JSON, chart and tables. Speeds
+are only checked to be finite and positive: tiny shapes live in the CPU's caches, so a share of
+the roofline may pass 100%."""
+
+import json
+import math
+import os
+
+import pytest
+import torch
+from hf_tiny import make_hf_model
+
+from tinykv.bench import roofline as rl
+from tinykv.cache import make_cache
+from tinykv.model import Transformer
+
+# The shape of roofline.MODES["quick"], within the tiny model's 512-token context.
+TINY = dict(bw_mib=16, bw_reps=2, contexts=[64, 128], attn_reps=2, shapes=[(1, 128), (3, 64)],
+            steps=2)
+THREADS = [1, 2] if (os.cpu_count() or 1) >= 2 else [1]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = tmp_path_factory.mktemp("roofline-llama")
+    make_hf_model("llama", 4, 2, 64, d)
+    return d, Transformer.from_pretrained(d, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def results(tiny, tmp_path_factory):
+    d, model = tiny
+    out = tmp_path_factory.mktemp("roofline") / "bench" / "roofline.json"
+    mp = pytest.MonkeyPatch()
+    mp.setitem(rl.MODES, "quick", TINY)
+    threads = torch.get_num_threads()
+    try:
+        res = rl.run(model, d, quick=True, threads=THREADS, out=out)
+    finally:
+        mp.undo()
+    assert torch.get_num_threads() == threads  # run() gives the threads back
+    return res, out
+
+
+@pytest.mark.parametrize("spec", ["int8", rl.KIVI])
+def test_fill_puts_context_slots(tiny, spec):
+    """Every sequence holds `context` slots of the synthetic keys, quantized where the spec says
+    (KIVI: through the hot pool, quantized block by block at commit)."""
+    _, model = tiny
+    with make_cache(model.cfg, spec, tokens=400, max_seqs=2) as cache:
+        rl.fill(cache, [0, 1], 150, torch.Generator().manual_seed(0))
+        assert [cache.slots(0), cache.slots(1)] == [150, 150]
+        k, v = cache.seq_kv(1)  # (L, H, 150, D)
+    assert k.shape[2] == 150 and k.abs().sum() > 0 and v.abs().sum() > 0
+
+
+def test_weight_bytes(tiny):
+    """Every parameter but the embedding, unless the LM head shares it."""
+    d, model = tiny
+    total = sum(p.nbytes for p in model.parameters())
+    assert rl.weight_bytes(model) == total - model.embed.weight.nbytes
+    tied = Transformer.from_pretrained(d, device="cpu")
+    tied.lm_head.weight = tied.embed.weight
+    head = model.lm_head.weight.nbytes
+    assert rl.weight_bytes(tied) == total - head  # read once, as the head
+
+
+def test_json_and_bytes(results, tiny):
+    res, out = results
+    _, model = tiny
+    cfg = model.cfg
+    assert json.loads(out.read_text()) == json.loads(json.dumps(res))
+    assert res["chart"] is None or (out.with_suffix(".png")).stat().st_size > 0
+    assert [r["threads"] for r in res["runs"]] == THREADS
+    specs = list(rl.DEFAULT_SPECS)
+    fp32_token = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 4  # bytes
+    for run in res["runs"]:
+        bw = run["bandwidth"]
+        assert bw["bytes"] >= 16 * 2**20 and bw["gb_s"] == max(bw["gemv_gb_s"], bw["sum_gb_s"])
+        assert math.isfinite(bw["gb_s"]) and bw["gb_s"] > 0
+        attn = run["attention"]
+        assert [(r["kv"], r["context"]) for r in attn] == [(s, c) for s in specs
+                                                           for c in TINY["contexts"]]
+        bpt = {}
+        for r in attn:
+            assert r["filled"] == r["context"] and r["slots"] == r["context"] + 1
+            assert r["kv_bytes"] == r["slots"] * r["bytes_per_token"]
+            assert math.isfinite(r["pct_bandwidth"]) and r["pct_bandwidth"] > 0
+            bpt[r["kv"]] = r["bytes_per_token"]
+        assert bpt["int4"] < bpt["int8"] < bpt["fp16"]
+        steps = TINY["steps"]
+        for r in run["decode"]:
+            # after the untimed step a sequence holds context + 1; timed step i adds i more
+            slots = r["batch"] * (r["context"] + 1 + (steps + 1) / 2)
+            if r["engine"] == "tinykv":
+                assert r["kv_bytes"] == pytest.approx(slots * bpt[r["kv"]])
+            elif r["kv"] == "default":
+                assert r["kv_bytes"] == pytest.approx(slots * fp32_token)
+            else:  # quanto's 4-bit codes and scales
+                assert 0 < r["kv_bytes"] < slots * fp32_token / 2
+            assert len(r["ms_all"]) == steps and r["weight_bytes"] == res["weight_bytes"]
+            assert r["tok_s"] == pytest.approx(r["batch"] / (r["ms"] / 1e3))
+            assert math.isfinite(r["pct_roofline"]) and r["pct_roofline"] > 0
+        engines = {(r["engine"], r["kv"]) for r in run["decode"]}
+        assert {("tinykv", s) for s in specs} | {("transformers", "default")} <= engines
+        names = [name for name, _, _ in rl.RATIOS]
+        for r in run["ratios"]:
+            assert set(names[:4]) <= set(r) and all(r[n] > 0 for n in names if n in r)
+        assert [(r["batch"], r["context"]) for r in run["ratios"]] == TINY["shapes"]
+
+
+def test_render(results):
+    res, _ = results
+    md = rl.render(res)
+    assert md.startswith("## Roofline")
+    for text in ("Read bandwidth", "% bandwidth", "% roofline", "int4/fp16", "| 3x64"):
+        assert text in md
+    assert md.count("### ") == len(THREADS)
+
+
+def test_cli(tiny, tmp_path, monkeypatch, capsys):
+    from tinykv.cli import main
+
+    d, _ = tiny
+    monkeypatch.setitem(rl.MODES, "quick", TINY)
+    out = tmp_path / "r.json"
+    args = ["bench", "roofline", "--quick", "--weights", str(d), "--threads", "1", "--kv", "int8",
+            "--no-transformers", "--out", str(out)]
+    assert main(args) == 0
+    res = json.loads(out.read_text())
+    assert res["config"]["specs"] == ["int8"] and res["config"]["transformers"] is False
+    assert {r["engine"] for r in res["runs"][0]["decode"]} == {"tinykv"}
+    assert "| tinykv `int8`" in capsys.readouterr().out

@@ -1,0 +1,398 @@
+"""Roofline benchmark, `python -m tinykv bench roofline`: how close decoding comes to memory speed.
+
+For each torch thread count, in one run:
+- bandwidth: the machine's read bandwidth, the better of a GEMV and a sum over a large matrix;
+- attention: KV bytes one decode token reads (slots x bytes_per_token, all layers) over the time
+  of `cache.attend` in every layer, batch 1, per spec and context;
+- decode: whole model decode steps at batch x context shapes, tinykv per spec beside transformers'
+  default and quanto int4 caches; % of roofline = (weight + KV bytes) / bandwidth / step time.
+Caches are filled with synthetic keys and values, not a real prefill: decode speed does not
+depend on what the cached values are, and a 32k-token prefill takes minutes per point on a CPU.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from functools import partial
+from operator import itemgetter
+from pathlib import Path
+
+import torch
+
+from ..cache import PagedKVCache, make_cache
+from ..model import Config, Transformer
+from .e2e import DEFAULT_SPECS, HF_QUANT, KIVI, machine_info
+
+MODES = {
+    "full": dict(bw_mib=512, bw_reps=5, contexts=[1024, 4096, 8192], attn_reps=7,
+                 shapes=[(1, 4096), (1, 8192), (16, 1024), (16, 2048), (64, 512)], steps=5),
+    "quick": dict(bw_mib=64, bw_reps=2, contexts=[256, 512], attn_reps=3,
+                  shapes=[(1, 512), (4, 256)], steps=2),
+}
+FILL_CHUNK = 512  # tokens per synthetic fill step: what the cache's hot pool is sized for
+# tok/s ratios reported per shape: (name, numerator (engine, kv), denominator (engine, kv))
+RATIOS = [("int8/fp16", ("tinykv", "int8"), ("tinykv", "fp16")),
+          ("int4/fp16", ("tinykv", "int4"), ("tinykv", "fp16")),
+          ("KIVI/fp16", ("tinykv", KIVI), ("tinykv", "fp16")),
+          ("fp16/hf", ("tinykv", "fp16"), ("transformers", "default")),
+          ("int4/hf-int4", ("tinykv", "int4"), ("transformers", "quanto-int4"))]
+Tick = Callable[[str], None]
+
+
+def _progress(what: str) -> None:
+    """The default Tick: one line on stderr per finished measurement (the tables go to stdout)."""
+    print(f"[roofline] {what}", file=sys.stderr, flush=True)
+
+
+def set_threads(n: int) -> None:
+    """torch's threads, and numba's where it is installed (the fused CPU kernel runs on them)."""
+    torch.set_num_threads(n)
+    if importlib.util.find_spec("numba"):
+        import numba
+
+        numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+
+
+def _seconds(fn: Callable[[], object], reps: int) -> list[float]:
+    """Wall seconds of `reps` calls of fn after an untimed one (JIT, allocator, page faults)."""
+    fn()
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def measure_bandwidth(mib: int, reps: int) -> dict:
+    """Read bandwidth in GB/s (1e9 bytes): a GEMV and a sum over a float32 matrix of `mib` MiB,
+    best of `reps` each; `gb_s` is the higher (the one that came closer to the memory's speed)."""
+    cols = 4096
+    a = torch.rand(mib * 2**20 // (4 * cols), cols)  # (R, C)
+    x = torch.rand(cols)  # (C,)
+    gemv_gb_s = a.nbytes / min(_seconds(partial(torch.mv, a, x), reps)) / 1e9
+    sum_gb_s = a.nbytes / min(_seconds(a.sum, reps)) / 1e9
+    return {"bytes": a.nbytes, "gemv_gb_s": gemv_gb_s, "sum_gb_s": sum_gb_s,
+            "gb_s": max(gemv_gb_s, sum_gb_s)}
+
+
+def synthetic_kv(n: int, heads: int, dim: int, gen: torch.Generator) -> tuple:
+    """Random k, v (n, heads, dim) shaped like real ones: keys carry a few large channel offsets
+    (the outlier channels per-channel key scales exist for), values are plain normal."""
+    offset = torch.zeros(heads, dim)  # (H, D)
+    offset[:, :4] = 8.0 * torch.randn(heads, 4, generator=gen)
+    k = torch.randn(n, heads, dim, generator=gen) + offset
+    v = torch.randn(n, heads, dim, generator=gen)
+    return k, v
+
+
+def fill(cache: PagedKVCache, seq_ids: list[int], context: int, gen: torch.Generator) -> None:
+    """Put `context` tokens of synthetic keys and values in each sequence, without the model: plan
+    the slots, write every layer, commit (which quantizes finished full-precision blocks)."""
+    cfg = cache.cfg
+    for sid in seq_ids:
+        cache.add_sequence(sid)
+        done = 0
+        while done < context:
+            n = min(FILL_CHUNK, context - done)
+            tokens = torch.randint(3, cfg.vocab_size, (n,), generator=gen).tolist()
+            plan = cache.plan([sid], [tokens])
+            k, v = synthetic_kv(n, cfg.n_kv_heads, cfg.head_dim, gen)  # (n, H, D)
+            for layer in range(cfg.n_layers):  # the same values in every layer: speed is blind
+                cache.pools.write(layer, k, v, plan.slots)
+            cache.commit(plan)
+            done += n
+
+
+@torch.inference_mode()
+def bench_attention(cfg: Config, spec: str, context: int, reps: int, bandwidth: float) -> dict:
+    """ms of `cache.attend` over all layers for one decode token after `context` cached ones."""
+    gen = torch.Generator().manual_seed(context)
+    with make_cache(cfg, spec, tokens=context + 1, max_seqs=1, device="cpu",
+                    dtype=torch.float32) as cache:
+        fill(cache, [0], context, gen)
+        filled = cache.slots(0)
+        plan = cache.plan([0], [[5]])
+        k, v = synthetic_kv(1, cfg.n_kv_heads, cfg.head_dim, gen)  # (1, H, D)
+        for layer in range(cfg.n_layers):  # the decode token's own slot holds a real key
+            cache.pools.write(layer, k, v, plan.slots)
+        q = torch.randn(1, cfg.n_heads, cfg.head_dim, generator=gen)  # (1, Hq, D)
+
+        def step() -> None:
+            for layer in range(cfg.n_layers):
+                cache.attend(layer, q, plan)
+
+        t = statistics.median(_seconds(step, reps))
+        slots = cache.slots(0)
+        kv_bytes = slots * cache.bytes_per_token
+        return {"kv": spec, "context": context, "filled": filled, "slots": slots,
+                "bytes_per_token": cache.bytes_per_token, "kv_bytes": kv_bytes, "ms": 1e3 * t,
+                "gb_s": kv_bytes / t / 1e9, "pct_bandwidth": 100 * kv_bytes / t / 1e9 / bandwidth,
+                "attention": cache.kernels.name}
+
+
+def weight_bytes(model: Transformer) -> int:
+    """Parameter bytes a decode step reads: all of them, less the embedding tables (a step reads
+    only its tokens' rows) unless the LM head shares one, which then reads the whole matrix."""
+    total = sum(p.nbytes for p in model.parameters())  # a tied matrix is listed once
+    for table in (model.embed, model.pos_embed):
+        if table is not None and table.weight is not model.lm_head.weight:
+            total -= table.weight.nbytes
+    return total
+
+
+def _row(engine: str, kv: str, batch: int, context: int, times: list[float], kv_bytes: float,
+         w_bytes: int, bandwidth: float) -> dict:
+    """A decode row: median step time, tok/s, and its share of the roofline."""
+    t = statistics.median(times)
+    roof = (w_bytes + kv_bytes) / (bandwidth * 1e9)  # seconds at the measured bandwidth
+    return {"engine": engine, "kv": kv, "batch": batch, "context": context, "ms": 1e3 * t,
+            "ms_all": [1e3 * x for x in times], "tok_s": batch / t, "kv_bytes": kv_bytes,
+            "weight_bytes": w_bytes, "roofline_ms": 1e3 * roof, "pct_roofline": 100 * roof / t}
+
+
+@torch.inference_mode()
+def decode_tinykv(model: Transformer, spec: str, batch: int, context: int, steps: int) -> tuple:
+    """Seconds of `steps` real decode steps (plan, model, commit; one more untimed first) of
+    `batch` sequences holding `context` synthetic tokens -> (times, mean KV bytes per step)."""
+    gen = torch.Generator().manual_seed(batch * context)
+    seq_ids = list(range(batch))
+    with make_cache(model.cfg, spec, tokens=batch * (context + steps + 1), max_seqs=batch,
+                    device="cpu", dtype=torch.float32) as cache:
+        fill(cache, seq_ids, context, gen)
+        tokens = torch.full((batch,), 5, dtype=torch.long)  # (B,)
+
+        def step(_: int) -> None:
+            plan = cache.plan(seq_ids, [[5]] * batch)
+            model(tokens, plan)
+            cache.commit(plan)
+
+        def held() -> float:
+            return sum(cache.slots(s) for s in seq_ids) * cache.bytes_per_token
+
+        return _time_steps(step, held, steps)
+
+
+def _time_steps(step: Callable[[int], None], held: Callable[[], float], steps: int) -> tuple:
+    """Seconds of step(i) for i = 1..steps after an untimed step(0) (JIT, allocator), and the
+    mean of held() (KV bytes in the cache) after each timed one."""
+    step(0)
+    times, kv_bytes = [], []
+    for i in range(1, steps + 1):
+        t0 = time.perf_counter()
+        step(i)
+        times.append(time.perf_counter() - t0)
+        kv_bytes.append(held())
+    return times, statistics.mean(kv_bytes)
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    """Bytes a tensor holds; a wrapper subclass (quanto's packed codes) is the sum of its parts."""
+    if hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        return sum(tensor_bytes(getattr(t, n)) for n in names)
+    return t.nbytes
+
+
+@torch.inference_mode()
+def decode_hf(hf, batch: int, context: int, steps: int, quantized: bool) -> tuple:
+    """Like decode_tinykv for transformers: its default (or quanto int4) cache given `context`
+    synthetic tokens per layer through `update`, then forwards of one token per sequence; the
+    cache grows by a token a step, as in generate()."""
+    import transformers as tf
+
+    c = hf.config
+    gen = torch.Generator().manual_seed(batch * context)
+    if quantized:
+        cache = tf.QuantizedCache(HF_QUANT["backend"], c, nbits=HF_QUANT["nbits"])
+    else:
+        cache = tf.DynamicCache(config=c)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    k, v = synthetic_kv(batch * context, c.num_key_value_heads, head_dim, gen)  # (B*T, H, D)
+    k = k.view(batch, context, -1, head_dim).transpose(1, 2).contiguous()  # (B, H, T, D)
+    v = v.view(batch, context, -1, head_dim).transpose(1, 2).contiguous()
+    for layer in range(c.num_hidden_layers):  # shared by every layer until its first step
+        cache.update(k, v, layer)
+    # transformers 5 names the argument `cache`; 4.x `past_key_values`
+    params = inspect.signature(hf.forward).parameters
+    cache_kw = "cache" if "cache" in params else "past_key_values"
+    ids = torch.full((batch, 1), 5, dtype=torch.long)  # (B, 1)
+
+    def step(i: int) -> None:
+        pos = torch.full((batch, 1), context + i, dtype=torch.long)  # (B, 1)
+        hf(input_ids=ids, position_ids=pos, use_cache=True, **{cache_kw: cache})
+
+    def held() -> float:
+        out = 0
+        for lay in cache.layers:  # full-precision states, and quanto's codes and scales
+            for name in ("keys", "values", "_quantized_keys", "_quantized_values"):
+                if isinstance(getattr(lay, name, None), torch.Tensor):
+                    out += tensor_bytes(getattr(lay, name))
+        return out
+
+    return _time_steps(step, held, steps)
+
+
+def ratios(rows: list[dict]) -> list[dict]:
+    """Per shape, the tok/s ratios of RATIOS whose two engines were measured."""
+    out = []
+    for batch, context in dict.fromkeys((r["batch"], r["context"]) for r in rows):
+        speed = {(r["engine"], r["kv"]): r["tok_s"] for r in rows
+                 if (r["batch"], r["context"]) == (batch, context)}
+        row = {"batch": batch, "context": context}
+        for name, num, den in RATIOS:
+            if num in speed and den in speed:
+                row[name] = speed[num] / speed[den]
+        out.append(row)
+    return out
+
+
+def collect(model: Transformer, hf, mode: dict, specs: list[str], threads: list[int],
+            tick: Tick = _progress) -> dict:
+    """Every measurement of `mode` (see MODES) at each thread count; hf None: tinykv only."""
+    hf_q = hf is not None and importlib.util.find_spec("optimum.quanto") is not None
+    hf_kinds = [] if hf is None else [("default", False)]  # (name, quantized) caches timed
+    if hf_q:
+        hf_kinds.append(("quanto-int4", True))
+    w_bytes = weight_bytes(model)
+    out = {"config": {**mode, "specs": specs, "threads": threads, "transformers": hf is not None,
+                      "transformers_quantized": hf_q}, "weight_bytes": w_bytes, "runs": []}
+    for n in threads:
+        set_threads(n)
+        bw = measure_bandwidth(mode["bw_mib"], mode["bw_reps"])
+        tick(f"{n} threads: bandwidth")
+        attn = []
+        for spec in specs:
+            for ctx in mode["contexts"]:
+                attn.append(bench_attention(model.cfg, spec, ctx, mode["attn_reps"], bw["gb_s"]))
+                tick(f"{n} threads: attention {spec} {ctx}")
+        decode = []
+        for batch, ctx in mode["shapes"]:
+            for spec in specs:
+                times, kv = decode_tinykv(model, spec, batch, ctx, mode["steps"])
+                decode.append(_row("tinykv", spec, batch, ctx, times, kv, w_bytes, bw["gb_s"]))
+                tick(f"{n} threads: decode {spec} {batch}x{ctx}")
+            for kind, quantized in hf_kinds:
+                times, kv = decode_hf(hf, batch, ctx, mode["steps"], quantized)
+                decode.append(_row("transformers", kind, batch, ctx, times, kv, w_bytes,
+                                   bw["gb_s"]))
+                tick(f"{n} threads: transformers {kind} {batch}x{ctx}")
+        out["runs"].append({"threads": n, "bandwidth": bw, "attention": attn, "decode": decode,
+                            "ratios": ratios(decode)})
+    return out
+
+
+def _md(head: list[str], rows: list[list]) -> list[str]:
+    """A Markdown table, columns padded to line up when printed; numbers align right."""
+    cells = [head] + [[str(c) for c in r] for r in rows]
+    width = [max(len(r[i]) for r in cells) for i in range(len(head))]
+    lines = []
+    for r in cells:
+        padded = [c.ljust(width[i]) if i == 0 else c.rjust(width[i]) for i, c in enumerate(r)]
+        lines.append("| " + " | ".join(padded) + " |")
+    lines.insert(1, "|" + "|".join("-" * (w + 1) + (":" if i else "-")
+                                   for i, w in enumerate(width)) + "|")
+    return lines
+
+
+def render(results: dict) -> str:
+    """The README section: per thread count, the bandwidth line and the attention, roofline and
+    ratio tables."""
+    out = ["## Roofline", "", f"`{results.get('command', 'bench roofline')}`; weights read per "
+           f"step: {results['weight_bytes'] / 1e6:.0f} MB.", ""]
+    for run in results["runs"]:
+        bw = run["bandwidth"]
+        out += [f"### {run['threads']} thread(s)", "",
+                f"Read bandwidth {bw['gb_s']:.1f} GB/s (GEMV {bw['gemv_gb_s']:.1f}, sum "
+                f"{bw['sum_gb_s']:.1f}, over {bw['bytes'] / 2**20:.0f} MiB).", ""]
+        attn = [[f"`{r['kv']}`", r["context"], f"{r['kv_bytes'] / 1e6:.3g}", f"{r['ms']:.3g}",
+                 f"{r['gb_s']:.3g}", f"{r['pct_bandwidth']:.3g}%"] for r in run["attention"]]
+        out += _md(["KV spec", "context", "KV MB", "attend ms", "GB/s", "% bandwidth"], attn)
+        dec = [[f"{r['engine']} `{r['kv']}`", f"{r['batch']}x{r['context']}",
+                f"{r['kv_bytes'] / 1e6:.3g}", f"{r['ms']:.3g}", f"{r['tok_s']:.3g}",
+                f"{r['pct_roofline']:.3g}%"] for r in run["decode"]]
+        out += [""] + _md(["engine / KV", "batch x ctx", "KV MB/step", "step ms", "tok/s",
+                           "% roofline"], dec)
+        names = [name for name, _, _ in RATIOS]
+        rat = []
+        for r in run["ratios"]:
+            cells = [f"{r[k]:.2f}x" if k in r else "-" for k in names]
+            rat.append([f"{r['batch']}x{r['context']}"] + cells)
+        out += [""] + _md(["batch x ctx"] + names, rat) + [""]
+    return "\n".join(out)
+
+
+def chart(results: dict, path: Path) -> str | None:
+    """Decode tok/s against KV bytes per step (log x), a series per engine, spec and threads;
+    None where matplotlib is missing."""
+    if importlib.util.find_spec("matplotlib") is None:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    series = dict.fromkeys((r["engine"], r["kv"]) for run in results["runs"] for r in run["decode"])
+    color = {name: f"C{i % 10}" for i, name in enumerate(series)}  # one per engine and spec
+    for i, run in enumerate(results["runs"]):
+        style = ["-", "--", ":", "-."][i % 4]  # one per thread count
+        for engine, kv in series:
+            rs = [r for r in run["decode"] if (r["engine"], r["kv"]) == (engine, kv)]
+            rs.sort(key=itemgetter("kv_bytes"))
+            xs = [r["kv_bytes"] for r in rs]
+            ys = [r["tok_s"] for r in rs]
+            name = "KIVI" if kv == KIVI else kv
+            ax.plot(xs, ys, style, marker="o", color=color[engine, kv],
+                    label=f"{engine} {name}, {run['threads']} thr")
+            for r in rs:
+                ax.annotate(f"{r['batch']}x{r['context']}", (r["kv_bytes"], r["tok_s"]),
+                            fontsize=6, xytext=(3, 3), textcoords="offset points")
+    # log y too: batch 64 decodes tens of times more tokens a second than batch 1
+    ax.set(xscale="log", yscale="log", xlabel="KV bytes read per decode step",
+           ylabel="decode tokens/s (all sequences)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return str(path)
+
+
+def run(model: Transformer, weights: Path | None, quick: bool = False,
+        threads: list[int] | None = None, specs: list[str] | None = None,
+        transformers: bool = True, out: str | Path = "bench/roofline-new.json",
+        command: str = "python -m tinykv bench roofline") -> dict:
+    """The whole roofline benchmark on `model` (on the CPU, float32; transformers loads the same
+    `weights`); writes the JSON and the chart beside it, prints the tables, restores threads."""
+    w = next(model.parameters())
+    if w.device.type != "cpu" or w.dtype != torch.float32:
+        raise ValueError("bench roofline measures the CPU: load the model with --device cpu "
+                         "--dtype float32")
+    hf = None
+    if transformers and weights is not None and importlib.util.find_spec("transformers"):
+        import transformers as tf
+
+        tf.logging.set_verbosity_error()
+        hf = tf.AutoModelForCausalLM.from_pretrained(weights, dtype=torch.float32).eval()
+    before = torch.get_num_threads()
+    res = {"command": command, "machine": machine_info(torch.device("cpu")),
+           "weights": str(weights), "mode": "quick" if quick else "full"}
+    try:
+        res.update(collect(model, hf, MODES[res["mode"]], specs or list(DEFAULT_SPECS),
+                           threads or [1, 2], _progress))
+    finally:
+        set_threads(before)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    res["chart"] = chart(res, out.with_suffix(".png"))
+    out.write_text(json.dumps(res, indent=1))
+    print(render(res))
+    print(f"[tinykv] results in {out}" + (f", {res['chart']}" if res["chart"] else ""))
+    return res
