@@ -14,6 +14,8 @@ def cmd_bench(args) -> None:
 
     if args.bench_cmd == "kernel":
         return cmd_bench_kernel(args)
+    if args.bench_cmd == "roofline":
+        return cmd_bench_roofline(args)
     text_path = args.text or str(SAMPLE_TEXT)
     if args.bench_cmd == "profile":
         text = read_text(text_path, "bench profile")
@@ -46,3 +48,14 @@ def cmd_bench_kernel(args) -> None:
         return
     specs = [str(s) for s in args.kv] if args.kv else ["fp16", "int8", "int4"]
     kernel.bench_kernel(specs, args.block_size, args.reps, args.quick, args.out)
+
+
+def cmd_bench_roofline(args) -> None:
+    from ..bench import roofline
+
+    args.device = args.device or "cpu"  # a CPU benchmark: never the default CUDA device
+    model, path = load_model(args)
+    specs = [str(s) for s in args.kv] if args.kv else None
+    command = " ".join(["python -m tinykv bench", *map(shlex.quote, sys.argv[2:])])
+    roofline.run(model, path, quick=args.quick, threads=args.thread_counts, specs=specs,
+                 transformers=not args.no_transformers, out=args.out, command=command)

@@ -350,3 +350,18 @@ def add_bench_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--text", metavar="FILE", help="text to cut the prompt from (default: shipped)")
     p.add_argument("--no-transformers", action="store_true", help="tinykv only")
     add_model_args(p, threads=1)
+    r = bsub.add_parser("roofline", help="bandwidth, attention bandwidth and decode roofline",
+                        description="Read bandwidth, attention bandwidth and whole decode steps "
+                                    "as a share of the roofline, per thread count, on the CPU.",
+                        formatter_class=Help)
+    r.set_defaults(prog=r.prog)
+    r.add_argument("--quick", action="store_true", help="tiny shapes (seconds)")
+    r.add_argument("--threads", dest="thread_counts", type=int_range(1, usable_cores()),
+                   nargs="+", default=sorted({1, min(2, usable_cores())}), metavar="N",
+                   help="torch (and numba) thread counts, each measured in turn")
+    r.add_argument("--kv", type=kv_spec, nargs="+", metavar="SPEC",
+                   help="tinykv KV specs (default: fp16 int8 int4 KIVI-style)")
+    r.add_argument("--out", default="bench/roofline-new.json", metavar="JSON",
+                   help="results JSON; the chart goes beside it")
+    r.add_argument("--weights", metavar="DIR", help="model folder (default: SmolLM2-135M)")
+    r.add_argument("--no-transformers", action="store_true", help="tinykv only")
