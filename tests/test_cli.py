@@ -1,0 +1,498 @@
+"""The command line as a user meets it: `python run.py` and `python -m tinykv` in a subprocess.
+
+A table of bad inputs, each of which must end in one `error:` line on stderr and a non-zero exit
+(or one `warning:` line and exit 0), never a traceback or a hang (each case has a time limit),
+and leave nothing on disk. Most cases fail while parsing flags and cost a fraction of a second;
+those that load a model use a tiny random Llama written here, with a word-level tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+ROOT = Path(__file__).resolve().parent.parent
+RUN = str(ROOT / "run.py")
+TIMEOUT = 60  # seconds per case: a hang fails the case instead of stalling the suite
+CONTEXT = 512  # the tiny model's context
+NO_GPU = not torch.cuda.is_available()
+
+
+# ---- a tiny model and its broken variants --------------------------------------------------------
+def tiny_config() -> dict:
+    return {"model_type": "llama", "vocab_size": 256, "hidden_size": 32, "num_hidden_layers": 2,
+            "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
+            "intermediate_size": 64, "max_position_embeddings": CONTEXT, "rms_norm_eps": 1e-5,
+            "rope_theta": 10000.0, "tie_word_embeddings": False, "bos_token_id": None,
+            "eos_token_id": None}  # no end-of-sequence token: runs last as long as asked
+
+
+def tiny_tensors(cfg: dict) -> dict[str, torch.Tensor]:
+    """Random weights under Hugging Face Llama names."""
+    gen = torch.Generator().manual_seed(0)
+    d, f, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    hd = cfg["head_dim"]
+    shapes = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,),
+              "lm_head.weight": (v, d)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (d,)
+        shapes[p + "post_attention_layernorm.weight"] = (d,)
+        shapes[p + "self_attn.q_proj.weight"] = (cfg["num_attention_heads"] * hd, d)
+        shapes[p + "self_attn.k_proj.weight"] = (cfg["num_key_value_heads"] * hd, d)
+        shapes[p + "self_attn.v_proj.weight"] = (cfg["num_key_value_heads"] * hd, d)
+        shapes[p + "self_attn.o_proj.weight"] = (d, cfg["num_attention_heads"] * hd)
+        shapes[p + "mlp.gate_proj.weight"] = (f, d)
+        shapes[p + "mlp.up_proj.weight"] = (f, d)
+        shapes[p + "mlp.down_proj.weight"] = (d, f)
+    out = {}
+    for name, shape in shapes.items():
+        if len(shape) == 1:
+            out[name] = 1 + 0.1 * torch.randn(shape, generator=gen)
+        else:
+            out[name] = 0.2 * torch.randn(shape, generator=gen)
+    return out
+
+
+def word_tokenizer(path: Path) -> None:
+    """tokenizer.json: the words w0 .. w255 are the tokens 0 .. 255."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(256)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path))
+
+
+def write_model(d: Path, cfg: dict | list, tensors: dict[str, torch.Tensor]) -> Path:
+    d.mkdir(parents=True)
+    (d / "config.json").write_text(json.dumps(cfg))
+    save_file(tensors, str(d / "model.safetensors"))
+    word_tokenizer(d / "tokenizer.json")
+    return d
+
+
+def words(n: int) -> str:
+    return " ".join(f"w{(7 * i) % 256}" for i in range(n))
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Model folders (good and broken), texts, prompt files and scale files, by name."""
+    from tinykv.calibrate import calibrate, save_scales
+    from tinykv.model import Transformer
+    from tinykv.quant import KVSpec
+
+    root = tmp_path_factory.mktemp("cli_files")
+    cfg, good = tiny_config(), tiny_tensors(tiny_config())
+    out = {"tiny": write_model(root / "tiny", cfg, good)}
+    out["list_config"] = write_model(root / "list_config", [cfg], good)
+    out["zero_heads"] = write_model(root / "zero_heads", {**cfg, "num_attention_heads": 0}, good)
+    out["neg_layers"] = write_model(root / "neg_layers", {**cfg, "num_hidden_layers": -1}, good)
+    wrong = dict(good)
+    wrong["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(16, 31)
+    out["wrong_shape"] = write_model(root / "wrong_shape", cfg, wrong)
+    corrupt = write_model(root / "corrupt", cfg, good)
+    (corrupt / "model.safetensors").write_bytes(b"not a safetensors file")
+    out["corrupt"] = corrupt
+    bad_tok = write_model(root / "bad_tokenizer", cfg, good)
+    (bad_tok / "tokenizer.json").write_text("{}")
+    out["bad_tokenizer"] = bad_tok
+    # keys of ~1e5 overflow fp16 (max 65504) to inf
+    big = dict(good)
+    k_proj = "model.layers.0.self_attn.k_proj.weight"
+    big[k_proj] = good[k_proj] * 1e6
+    out["big_keys"] = write_model(root / "big_keys", cfg, big)
+
+    text = root / "text.txt"
+    text.write_text(words(300))
+    out["text"], out["short_text"] = text, root / "short.txt"
+    out["short_text"].write_text(words(17))
+    # scales that fit, then scales a million times too small: valid but absurd
+    model = Transformer.from_pretrained(out["tiny"], device="cpu")
+    spec = KVSpec.parse("int8:tensor:static")
+    tokens = [(7 * i) % 256 for i in range(300)]
+    scales = calibrate(model, tokens, spec, window=256)
+    out["scales"] = root / "scales.safetensors"
+    save_scales(out["scales"], scales, model.cfg, spec, "minmax", len(tokens))
+    out["tiny_scales"] = root / "tiny_scales.safetensors"
+    tiny = {name: s * 1e-6 for name, s in scales.items()}
+    save_scales(out["tiny_scales"], tiny, model.cfg, spec, "minmax", len(tokens))
+
+    prompts = {"empty.txt": "", "blank.txt": "\n  \n", "lines.txt": "w1 w2\nw3 w4 w5\n\nw6\n",
+               "good.jsonl": '{"prompt": "w1 w2"}\n{"prompt": "w3"}\n',
+               "bad_json.jsonl": '{"prompt": "w1"}\n{"prompt": "w2"\n',
+               "no_field.jsonl": '{"prompt": "w1"}\n{"text": "w2"}\n',
+               "empty_field.jsonl": '{"prompt": "w1"}\n{"prompt": " "}\n',
+               "mixed.jsonl": '{"prompt": "w1"}\nw2 w3\n',
+               "long.txt": words(CONTEXT + 10), "near_limit.txt": words(CONTEXT - 4)}
+    for name, body in prompts.items():
+        (root / name).write_text(body)
+        out[name.replace(".", "_")] = root / name
+    (root / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    out["latin1_txt"] = root / "latin1.txt"
+    (root / "a_file").write_text("x")
+    out["a_file"] = root / "a_file"
+    out["missing"] = root / "missing"
+    return {name: str(p) for name, p in out.items()}
+
+
+# ---- running the CLI -----------------------------------------------------------------------------
+def child_env(tmp: Path) -> dict[str, str]:
+    """The CLI's environment: its temporary files go to `tmp`, so they can be looked for."""
+    return {**os.environ, "TMPDIR": str(tmp), "PYTHONPATH": str(ROOT)}
+
+
+def tree(path: Path) -> list[str]:
+    """Every file and folder under path (what a run could leave behind)."""
+    return sorted(str(p.relative_to(path)) for p in path.rglob("*"))
+
+
+def prepare(tmp_path: Path) -> tuple[Path, list[str]]:
+    """A work folder for one run: cwd and TMPDIR inside it; the disk tier's DIR under it is
+    left for the run to create. Returns the folder and what it holds before the run."""
+    work = tmp_path / "work"
+    (work / "tmp").mkdir(parents=True)
+    return work, tree(work)
+
+
+def fill(args: list[str], files: dict[str, str], work: Path) -> list[str]:
+    """The case's arguments with {name} replaced by a file path, {disk} by the disk tier's dir."""
+    names = {**files, "disk": str(work / "disk" / "kv"), "out": str(work / "out.safetensors")}
+    return [a.format(**names) for a in args]
+
+
+def command(args: list[str]) -> list[str]:
+    """`python run.py ...` for generate cases (written as run.py ...), `python -m tinykv ...`
+    for the others."""
+    if args[0] == "run.py":
+        return [sys.executable, RUN, *args[1:]]
+    return [sys.executable, "-m", "tinykv", *args]
+
+
+def run_cli(args: list[str], work: Path, timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
+    return subprocess.run(command(args), cwd=work, env=child_env(work / "tmp"), text=True,
+                          capture_output=True, timeout=timeout)
+
+
+def noise(line: str) -> bool:
+    """stderr lines that are progress, not messages: tqdm bars and tinykv's [tinykv] notes."""
+    return not line.strip() or line.startswith("[tinykv]") or "it/s]" in line or "%|" in line
+
+
+def check_one_line(err: str, kind: str, needle: str, clean: bool) -> None:
+    """Exactly one `kind:` line (error or warning) on stderr, holding needle; no traceback; with
+    clean, nothing else but progress."""
+    assert "Traceback" not in err, err
+    lines = [ln for ln in err.splitlines() if ln.startswith(f"{kind}:")]
+    assert len(lines) == 1, err
+    assert needle in lines[0], err
+    if kind == "error":
+        assert not [ln for ln in err.splitlines() if ln.startswith("warning:")], err
+    if clean:
+        rest = [ln for ln in err.splitlines() if not noise(ln)]
+        assert rest == lines, err
+
+
+# ---- the table -----------------------------------------------------------------------------------
+# (id, arguments, expected: "error" | "warning", a piece of the message)
+PARSE_ERRORS = [
+    ("max-batch-0", ["run.py", "w1", "--max-batch", "0"], "--max-batch"),
+    ("max-batch-neg", ["run.py", "w1", "--max-batch", "-1"], "--max-batch"),
+    ("device-blocks-0", ["run.py", "w1", "--device-blocks", "0"], "--device-blocks"),
+    ("device-blocks-neg", ["run.py", "w1", "--device-blocks", "-1"], "--device-blocks"),
+    ("kv-memory-0", ["run.py", "w1", "--kv-memory", "0"], "--kv-memory"),
+    ("kv-memory-junk", ["run.py", "w1", "--kv-memory", "lots"], "--kv-memory"),
+    ("both-pool-sizes", ["run.py", "w1", "--kv-memory", "1M", "--device-blocks", "4"],
+     "not allowed with"),
+    ("temperature-nan", ["run.py", "w1", "--temperature", "nan"], "--temperature"),
+    ("temperature-neg", ["run.py", "w1", "--temperature", "-1"], "--temperature"),
+    ("top-p-neg", ["run.py", "w1", "--top-p", "-1"], "--top-p"),
+    ("top-p-over-1", ["run.py", "w1", "--top-p", "1.5"], "--top-p"),
+    ("top-k-neg", ["run.py", "w1", "--top-k", "-5"], "--top-k"),
+    ("threads-neg", ["run.py", "w1", "--threads", "-1"], "--threads"),
+    ("threads-too-many", ["run.py", "w1", "--threads", "9999"], "--threads"),
+    ("host-blocks-neg", ["run.py", "w1", "--host-blocks", "-1"], "--host-blocks"),
+    ("disk-blocks-neg", ["run.py", "w1", "--disk-blocks", "-1"], "--disk-blocks"),
+    ("n-0", ["run.py", "w1", "-n", "0"], "-n"),
+    ("n-neg", ["run.py", "w1", "-n", "-1"], "-n"),
+    ("max-new-tokens-0", ["run.py", "w1", "--max-new-tokens", "0"], "--max-new-tokens"),
+    ("max-new-tokens-neg", ["run.py", "w1", "--max-new-tokens", "-1"], "--max-new-tokens"),
+    ("block-size-0", ["run.py", "w1", "--block-size", "0"], "--block-size"),
+    ("seed-neg", ["run.py", "w1", "--seed", "-3"], "--seed"),
+    ("unknown-flag", ["run.py", "w1", "--temprature", "0"], "unrecognized"),
+    ("device-tpu", ["run.py", "w1", "--device", "tpu"], "--device"),
+    ("eval-offset-neg", ["eval", "--text", "{text}", "--offset", "-5"], "--offset"),
+    ("eval-max-tokens-0", ["eval", "--text", "{text}", "--max-tokens", "0"], "--max-tokens"),
+    ("eval-window-1", ["eval", "--text", "{text}", "--window", "1"], "--window"),
+    ("eval-chunk-0", ["eval", "--text", "{text}", "--chunk", "0"], "--chunk"),
+    ("calibrate-no-out", ["calibrate", "--kv", "int8:tensor:static", "--text", "{text}"],
+     "--out"),
+    ("kv-unknown-dtype", ["run.py", "w1", "--kv", "int9"], "int9"),
+    ("kv-bad-option", ["run.py", "w1", "--kv", "int8,residual=x"], "residual"),
+    ("kv-with-space", ["run.py", "w1", "--kv", "int8, int4"], "--kv"),
+]
+
+# Found before the model loads (every case names --weights, so none could fetch).
+EARLY_ERRORS = [
+    ("no-prompt", ["run.py", "--weights", "{tiny}"], "PROMPT"),
+    ("empty-prompt", ["run.py", "", "--weights", "{tiny}"], "empty"),
+    ("blank-prompt", ["run.py", "  ", "--weights", "{tiny}"], "empty"),
+    ("prompt-and-batch", ["run.py", "w1", "--batch", "{lines_txt}", "--weights", "{tiny}"],
+     "exactly one"),
+    ("prompt-file-missing", ["run.py", "--prompt-file", "{missing}", "--weights", "{tiny}"],
+     "not found"),
+    ("prompt-file-empty", ["run.py", "--prompt-file", "{empty_txt}", "--weights", "{tiny}"],
+     "empty"),
+    ("prompt-file-latin1", ["run.py", "--prompt-file", "{latin1_txt}", "--weights", "{tiny}"],
+     "UTF-8"),
+    ("batch-blank", ["run.py", "--batch", "{blank_txt}", "--weights", "{tiny}"], "no prompt"),
+    ("batch-bad-json", ["run.py", "--batch", "{bad_json_jsonl}", "--weights", "{tiny}"],
+     "line 2"),
+    ("batch-no-field", ["run.py", "--batch", "{no_field_jsonl}", "--weights", "{tiny}"],
+     "line 2"),
+    ("batch-empty-field", ["run.py", "--batch", "{empty_field_jsonl}", "--weights", "{tiny}"],
+     "line 2"),
+    ("batch-mixed", ["run.py", "--batch", "{mixed_jsonl}", "--weights", "{tiny}"], "line 2"),
+    ("disk-dir-is-file", ["run.py", "w1", "--weights", "{tiny}", "--host-blocks", "4",
+                          "--disk-blocks", "4", "--disk-dir", "{a_file}"], "file"),
+    ("disk-dir-under-file", ["run.py", "w1", "--weights", "{tiny}", "--host-blocks", "4",
+                             "--disk-blocks", "4", "--disk-dir", "{a_file}/kv"], "file"),
+    ("disk-blocks-no-dir", ["run.py", "w1", "--weights", "{tiny}", "--host-blocks", "4",
+                            "--disk-blocks", "4"], "--disk-dir"),
+    ("static-without-scales", ["run.py", "w1", "--weights", "{tiny}", "--kv",
+                               "int8:tensor:static"], "--kv-scales"),
+    ("scales-missing", ["run.py", "w1", "--weights", "{tiny}", "--kv", "int8:tensor:static",
+                        "--kv-scales", "{missing}"], "not found"),
+    ("calibrate-out-missing-folder", ["calibrate", "--weights", "{tiny}", "--text", "{text}",
+                                      "--kv", "int8:tensor:static", "--out",
+                                      "{missing}/scales.safetensors"], "does not exist"),
+    ("calibrate-dynamic-spec", ["calibrate", "--weights", "{tiny}", "--text", "{text}",
+                                "--kv", "int8", "--out", "{out}"], "static"),
+    ("eval-text-missing", ["eval", "--weights", "{tiny}", "--text", "{missing}"], "not found"),
+    ("weights-missing", ["run.py", "w1", "--weights", "{missing}"], "not found"),
+]
+if NO_GPU:
+    EARLY_ERRORS += [
+        ("device-cuda", ["run.py", "w1", "--weights", "{tiny}", "--device", "cuda"], "CUDA"),
+        ("attention-triton", ["run.py", "w1", "--weights", "{tiny}", "--attention", "triton"],
+         "CUDA"),
+    ]
+
+GEN = ["--max-new-tokens", "4"]
+# Found once the model is loaded: the tiny one, or a broken copy of it.
+MODEL_ERRORS = [
+    ("kv-memory-1K", ["run.py", "w1", "--weights", "{tiny}", "--kv-memory", "1K"],
+     "holds no block"),
+    ("residual-huge", ["run.py", "w1", "--weights", "{tiny}", "--kv", "int8,residual=10000000000"],
+     "memory"),
+    ("host-blocks-huge", ["run.py", "w1", "--weights", "{tiny}", "--host-blocks", "10000000000000"],
+     "memory"),
+    ("disk-blocks-huge", ["run.py", "w1", "--weights", "{tiny}", "--host-blocks", "4",
+                          "--disk-blocks", "100000000000000", "--disk-dir", "{disk}"], "free"),
+    ("config-is-a-list", ["run.py", "w1", "--weights", "{list_config}"], "{list_config}"),
+    ("negative-layers", ["run.py", "w1", "--weights", "{neg_layers}"], "n_layers"),
+    ("tensor-wrong-shape", ["run.py", "w1", "--weights", "{wrong_shape}"], "{wrong_shape}"),
+    ("corrupt-safetensors", ["run.py", "w1", "--weights", "{corrupt}"], "safetensors"),
+    ("corrupt-tokenizer", ["run.py", "w1", "--weights", "{bad_tokenizer}"], "tokenizer.json"),
+    ("prompt-over-context", ["run.py", "--prompt-file", "{long_txt}", "--weights", "{tiny}"],
+     "context"),
+    ("fp16-overflow", ["run.py", "w1 w2 w3", "--weights", "{big_keys}", "--kv", "fp16", *GEN],
+     "NaN"),
+    ("eval-fp16-overflow", ["eval", "--weights", "{big_keys}", "--kv", "fp16", "--text",
+                            "{text}", "--window", "64"], "finite"),
+    ("eval-window-over-context", ["eval", "--weights", "{tiny}", "--text", "{text}",
+                                  "--window", "1000"], "context"),
+]
+# The model's zero heads: torch warns about zero-element tensors on stderr before the error,
+# until model.Config refuses the config itself.
+UNCLEAN = {"zero-heads"}
+MODEL_ERRORS.append(("zero-heads", ["run.py", "w1", "--weights", "{zero_heads}"], "zero_heads"))
+
+WARNINGS = [
+    ("prompt-near-context", ["run.py", "--prompt-file", "{near_limit_txt}", "--weights", "{tiny}",
+                             "--max-new-tokens", "8"], "room for 4 new tokens"),
+    ("absurd-scales", ["run.py", "w1 w2 w3 w4", "--weights", "{tiny}", "--kv",
+                       "int8:tensor:static", "--kv-scales", "{tiny_scales}", *GEN], "clipped"),
+    ("eval-absurd-scales", ["eval", "--weights", "{tiny}", "--kv", "int8:tensor:static",
+                            "--kv-scales", "{tiny_scales}", "--text", "{text}", "--window", "64"],
+     "clipped"),
+    ("calibrate-17-tokens", ["calibrate", "--weights", "{tiny}", "--text", "{short_text}",
+                             "--kv", "int8:tensor:static", "--out", "{out}"], "17 tokens"),
+]
+
+TABLE = ([(c, a, "error", n) for c, a, n in PARSE_ERRORS + EARLY_ERRORS + MODEL_ERRORS]
+         + [(c, a, "warning", n) for c, a, n in WARNINGS])
+
+
+WORKERS = max(2, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 2)
+
+
+def run_case(args: list[str], work: Path) -> subprocess.CompletedProcess | Exception:
+    """One case's run, or its timeout (reported by the case's own test)."""
+    try:
+        return run_cli(args, work)
+    except subprocess.TimeoutExpired as e:
+        return e
+
+
+@pytest.fixture(scope="module")
+def table_runs(files: dict[str, str], tmp_path_factory: pytest.TempPathFactory,
+               request: pytest.FixtureRequest) -> dict[str, tuple]:
+    """The selected cases of TABLE, run side by side (a few per core: most of their time is
+    Python importing torch): case -> (work folder, its contents before, the run)."""
+    wanted = set()
+    for item in request.session.items:
+        if getattr(item, "originalname", None) == "test_bad_input":
+            wanted.add(item.callspec.params["case"])
+    root = tmp_path_factory.mktemp("cases")
+    futures = {}
+    with ThreadPoolExecutor(max_workers=WORKERS) as pool:
+        for case, args, _, _ in TABLE:
+            if case not in wanted:
+                continue
+            work, before = prepare(root / case)
+            futures[case] = (work, before, pool.submit(run_case, fill(args, files, work), work))
+    return {case: (work, before, f.result()) for case, (work, before, f) in futures.items()}
+
+
+@pytest.mark.parametrize("case, args, kind, needle", TABLE, ids=[row[0] for row in TABLE])
+def test_bad_input(case: str, args: list[str], kind: str, needle: str, files: dict[str, str],
+                   table_runs: dict[str, tuple]) -> None:
+    work, before, r = table_runs[case]
+    if isinstance(r, subprocess.TimeoutExpired):
+        pytest.fail(f"no answer within {TIMEOUT} s (a hang?): {' '.join(map(str, r.cmd))}")
+    check_one_line(r.stderr, kind, needle.format(**files), clean=case not in UNCLEAN)
+    if kind == "error":
+        assert r.returncode != 0, r.stderr
+    else:
+        assert r.returncode == 0, r.stderr
+    left = [p for p in tree(work) if p not in before and p != "out.safetensors"]
+    assert left == [], left
+
+
+def test_flag_errors_come_before_torch(tmp_path: Path) -> None:
+    """A typo in a flag answers at once: parsing imports no torch."""
+    work, _ = prepare(tmp_path)
+    code = ("import sys\nfrom tinykv.cli import main\n"
+            "try:\n    main(['generate', 'w', '--top-k', '-1'])\nexcept SystemExit:\n    pass\n"
+            "print('torch' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], cwd=work, env=child_env(work / "tmp"),
+                       capture_output=True, text=True, timeout=TIMEOUT)
+    assert r.stderr.startswith("error:") and r.stdout.strip() == "False", r.stderr
+
+
+# ---- what works ----------------------------------------------------------------------------------
+def generate_json(args: list[str], files: dict[str, str], work: Path) -> dict:
+    r = run_cli(fill(["run.py", *args, "--weights", "{tiny}", "--json", *GEN], files, work), work)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    return json.loads(r.stdout)
+
+
+def test_prompt_words_are_one_prompt(files: dict[str, str], tmp_path: Path) -> None:
+    """The words are one prompt; a one-block pool is legal."""
+    work, _ = prepare(tmp_path)
+    out = generate_json(["w1", "w2", "w3", "--device-blocks", "1"], files, work)
+    assert len(out["results"]) == 1 and out["prompt_ids"] == [1, 2, 3]
+    assert len(out["new_ids"]) == 4 and out["stats"]["blocks_total"] == 1
+
+
+def test_prompt_file_is_one_prompt(files: dict[str, str], tmp_path: Path) -> None:
+    work, _ = prepare(tmp_path)
+    out = generate_json(["--prompt-file", "{lines_txt}"], files, work)
+    assert [r["prompt_ids"] for r in out["results"]] == [[1, 2, 3, 4, 5, 6]]
+
+
+def test_batch_lines(files: dict[str, str], tmp_path: Path) -> None:
+    work, _ = prepare(tmp_path)
+    out = generate_json(["--batch", "{lines_txt}"], files, work)
+    assert [r["prompt_ids"] for r in out["results"]] == [[1, 2], [3, 4, 5], [6]]
+
+
+def test_batch_jsonl_samples_are_grouped_and_labelled(files: dict[str, str],
+                                                      tmp_path: Path) -> None:
+    work, _ = prepare(tmp_path)
+    args = ["run.py", "--batch", "{good_jsonl}", "-n", "2", "--weights", "{tiny}", *GEN]
+    r = run_cli(fill(args, files, work), work)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    heads = [ln for ln in lines if ln.startswith("===") or ln.startswith("---")]
+    assert heads == ["=== prompt 1/2: 'w1 w2'", "--- sample 1/2 (length)",
+                     "--- sample 2/2 (length)", "=== prompt 2/2: 'w3'",
+                     "--- sample 1/2 (length)", "--- sample 2/2 (length)"], r.stdout
+
+
+def test_disk_tier_leaves_nothing(files: dict[str, str], tmp_path: Path) -> None:
+    """A run with a disk tier (sized by --kv-memory) deletes its file and the folders it made;
+    a folder that was there stays."""
+    work, _ = prepare(tmp_path)
+    (work / "disk").mkdir()
+    before = tree(work)
+    offload = ["--host-blocks", "2", "--disk-blocks", "8", "--disk-dir", "{disk}"]
+    out = generate_json(["w1 w2", "--kv-memory", "1K", "--block-size", "1", *offload], files, work)
+    assert out["stats"]["offload"]
+    assert tree(work) == before
+
+
+def test_help_describes_and_shows_defaults(tmp_path: Path) -> None:
+    work, _ = prepare(tmp_path)
+    r = run_cli(["run.py", "--help"], work)
+    assert r.returncode == 0
+    assert r.stdout.startswith("usage: run.py")
+    assert "The words of PROMPT are one prompt" in r.stdout
+    assert "(default: 128)" in r.stdout and "(default: int8)" in r.stdout
+    assert "half of this machine's" in r.stdout
+    r = run_cli(["fetch", "--help"], work)
+    assert "PyPI" in r.stdout and "--force" in r.stdout and "download and convert" in r.stdout
+    for cmd in ("calibrate", "eval", "bench"):
+        r = run_cli([cmd, "--help"], work)
+        assert r.returncode == 0 and "(default:" in r.stdout, cmd
+
+
+# ---- Ctrl-C --------------------------------------------------------------------------------------
+def default_sigint() -> None:
+    """Let the child take Ctrl-C even when the test runs in a shell that ignores it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def wait_for_file(folder: Path, p: subprocess.Popen) -> None:
+    """Until a file appears under folder (the disk tier is open), while the process runs."""
+    t0 = time.perf_counter()
+    while not [f for f in folder.rglob("*") if f.is_file()]:
+        assert p.poll() is None, "the run ended before its disk tier was seen"
+        assert time.perf_counter() - t0 < TIMEOUT, "no disk tier file"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("when", ["importing", "generating"])
+def test_ctrl_c_is_one_line_and_leaves_nothing(when: str, files: dict[str, str],
+                                               tmp_path: Path) -> None:
+    """Interrupted while importing torch (1 s in) or while generating with a disk tier open:
+    `error: interrupted`, exit 130, and the disk tier's file and folders are gone."""
+    work, before = prepare(tmp_path)
+    args = fill(["run.py", "w1 w2", "--weights", "{tiny}", "--max-new-tokens", "500",
+                 "--device-blocks", "4", "--host-blocks", "4", "--disk-blocks", "40",
+                 "--disk-dir", "{disk}"], files, work)
+    p = subprocess.Popen(command(args), cwd=work, env=child_env(work / "tmp"), text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=default_sigint)
+    try:
+        if when == "importing":
+            time.sleep(1.0)
+        else:
+            wait_for_file(work / "disk", p)
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=TIMEOUT)
+    finally:
+        p.kill()
+    assert p.returncode == 130, err
+    check_one_line(err, "error", "interrupted", clean=True)
+    assert tree(work) == before
