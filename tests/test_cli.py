@@ -225,6 +225,9 @@ PARSE_ERRORS = [
     ("disk-blocks-neg", ["run.py", "w1", "--disk-blocks", "-1"], "--disk-blocks"),
     ("n-0", ["run.py", "w1", "-n", "0"], "-n"),
     ("n-neg", ["run.py", "w1", "-n", "-1"], "-n"),
+    ("n-huge", ["run.py", "w1", "-n", "100000"], "-n"),
+    ("n-over-max-batch", ["run.py", "w1", "-n", "20", "--max-batch", "8"], "--max-batch"),
+    ("seed-huge", ["run.py", "w1", "--seed", str(2**70)], "--seed"),
     ("max-new-tokens-0", ["run.py", "w1", "--max-new-tokens", "0"], "--max-new-tokens"),
     ("max-new-tokens-neg", ["run.py", "w1", "--max-new-tokens", "-1"], "--max-new-tokens"),
     ("block-size-0", ["run.py", "w1", "--block-size", "0"], "--block-size"),
@@ -432,12 +435,13 @@ def test_batch_jsonl_samples_are_grouped_and_labelled(files: dict[str, str],
 
 
 def test_disk_tier_leaves_nothing(files: dict[str, str], tmp_path: Path) -> None:
-    """A run with a disk tier (sized by --kv-memory) deletes its file and the folders it made;
-    a folder that was there stays."""
+    """A run with a disk tier (sized by --kv-memory, with a huge staging buffer asked for)
+    deletes its file and the folders it made; a folder that was there stays."""
     work, _ = prepare(tmp_path)
     (work / "disk").mkdir()
     before = tree(work)
-    offload = ["--host-blocks", "2", "--disk-blocks", "8", "--disk-dir", "{disk}"]
+    offload = ["--host-blocks", "2", "--disk-blocks", "8", "--disk-dir", "{disk}",
+               "--stage-blocks", "100000000000"]  # staging: no more than the tiers hold
     out = generate_json(["w1 w2", "--kv-memory", "1K", "--block-size", "1", *offload], files, work)
     assert out["stats"]["offload"]
     assert tree(work) == before

@@ -15,9 +15,17 @@ from .parser import ArgError, build_parser, resolve_specs
 
 
 def is_user_error(e: BaseException) -> bool:
-    """Errors that deserve one line, not a traceback: bad input, missing files, tinykv's own."""
-    return isinstance(e, (ValueError, OSError, MemoryError)) or type(e).__module__.startswith(
-        "tinykv.")
+    """Errors that deserve one line, not a traceback: bad input, missing files, tinykv's own, and
+    running out of memory (torch says so in a RuntimeError)."""
+    if isinstance(e, (ValueError, OSError, MemoryError)):
+        return True
+    if isinstance(e, RuntimeError) and is_out_of_memory(str(e)):
+        return True
+    return type(e).__module__.startswith("tinykv.")
+
+
+def is_out_of_memory(message: str) -> bool:
+    return "out of memory" in message or "can't allocate memory" in message
 
 
 @contextmanager

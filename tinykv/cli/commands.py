@@ -22,7 +22,7 @@ from ..offload import OffloadConfig
 from ..quant import KVSpec
 from ..tokenizer import StreamDecoder, Tokenizer
 from .inputs import UsageError, read_prompts, read_text
-from .parser import DEFAULT_WINDOW
+from .parser import DEFAULT_MAX_BATCH, DEFAULT_WINDOW
 
 
 class CheckpointError(ValueError):
@@ -169,7 +169,9 @@ def open_cache(stack: ExitStack, model: Transformer, args, spec: KVSpec, tokens:
     if args.disk_dir and args.disk_blocks:
         check_disk_space(model, spec, args)
         disk_dir = run_disk_dir(stack, args.disk_dir)
-    offload = OffloadConfig(args.host_blocks, disk_dir, args.disk_blocks, args.stage_blocks)
+    # a staging buffer larger than the tiers it stages from would only take memory
+    stage = min(args.stage_blocks, max(1, args.host_blocks + args.disk_blocks))
+    offload = OffloadConfig(args.host_blocks, disk_dir, args.disk_blocks, stage)
     p = next(model.parameters())
     cache = make_cache(model.cfg, spec, **size, scales=scales, attention=args.attention,
                        block_size=args.block_size, max_seqs=max_seqs,
@@ -210,11 +212,12 @@ def cmd_generate(args) -> None:
     if args.seed is not None:
         torch.manual_seed(args.seed)
     need = sum(min(len(x) + args.max_new_tokens, limit) for x in ids) * args.n
-    max_seqs = min(len(ids) * args.n, args.max_batch)
+    max_batch = args.max_batch or max(DEFAULT_MAX_BATCH, args.n)
+    max_seqs = min(len(ids) * args.n, max_batch)
     warned = False
     with ExitStack() as stack:
         cache = open_cache(stack, model, args, args.kv, need, max_seqs, args.prefill_chunk)
-        eng = Engine(model, cache, eos_ids=tok.eos_ids, max_batch=args.max_batch,
+        eng = Engine(model, cache, eos_ids=tok.eos_ids, max_batch=max_batch,
                      prefill_chunk=args.prefill_chunk)
         rids = [eng.add(x, samp, n=args.n) for x in ids]
         stream = len(rids) == 1 and args.n == 1 and not args.json

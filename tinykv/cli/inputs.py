@@ -18,6 +18,11 @@ def check_early(args: argparse.Namespace) -> None:
     """Every check of this command that needs neither torch nor the model."""
     if args.cmd == "generate":
         read_prompts(args)
+        if args.max_batch is not None and args.n > args.max_batch:
+            # the samples of a prompt fork at once and run together: past --max-batch the
+            # pool, sized for --max-batch sequences, thrashes
+            raise UsageError(f"-n {args.n} is more than --max-batch {args.max_batch}: a prompt's "
+                             "samples are decoded together (raise --max-batch)")
     if args.cmd == "calibrate":
         for path, flag in ((args.out, "--out"), (args.vllm_out, "--vllm-out"),
                            (args.plot, "--plot")):

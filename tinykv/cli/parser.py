@@ -197,6 +197,10 @@ def add_text_args(ap: argparse.ArgumentParser, max_tokens: int | None) -> None:
 
 
 DEFAULT_WINDOW = 1024
+# The engine plans every running sequence in Python each step, which grows faster than the batch:
+# 4096 samples of a short prompt take seconds of planning, 16000 twenty.
+MAX_BATCH = 4096
+DEFAULT_MAX_BATCH = 16
 
 GENERATE_HELP = """Generate text from one prompt, or from many with --batch.
 
@@ -255,13 +259,15 @@ def build_parser(generate_prog: str | None = None) -> Parser:
                    help="sample from the K likeliest tokens; 0: all")
     g.add_argument("--top-p", type=float_range(0, 1, lo_open=True), default=0.95, metavar="P",
                    help="nucleus sampling mass")
-    g.add_argument("--seed", type=NON_NEGATIVE, metavar="S",
+    g.add_argument("--seed", type=int_range(0, 2**63 - 1), metavar="S",
                    help="sampling seed (default: a fresh one each run)")
     g.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
-    g.add_argument("-n", type=POSITIVE, default=1, metavar="N",
-                   help="samples per prompt, forked from one prefill")
-    g.add_argument("--max-batch", type=POSITIVE, default=16, metavar="N",
-                   help="sequences decoded together")
+    g.add_argument("-n", type=int_range(1, MAX_BATCH), default=1, metavar="N",
+                   help="samples per prompt, forked from one prefill and decoded together (at "
+                        "most --max-batch)")
+    g.add_argument("--max-batch", type=int_range(1, MAX_BATCH), metavar="N",
+                   help=f"sequences decoded together, at most {MAX_BATCH} (default: "
+                        f"{DEFAULT_MAX_BATCH}, or -n if that is more)")
     g.add_argument("--prefill-chunk", type=POSITIVE, default=512, metavar="N",
                    help="prompt tokens fed per step, all sequences")
     g.add_argument("--json", action="store_true", help="print one JSON object: ids, text, stats")
