@@ -283,6 +283,7 @@ EARLY_ERRORS = [
                                 "--kv", "int8", "--out", "{out}"], "static"),
     ("eval-text-missing", ["eval", "--weights", "{tiny}", "--text", "{missing}"], "not found"),
     ("weights-missing", ["run.py", "w1", "--weights", "{missing}"], "not found"),
+    ("bench-out-under-file", ["bench", "kernel", "--quick", "--out", "{a_file}/k.json"], "file"),
 ]
 if NO_GPU:
     EARLY_ERRORS += [

@@ -41,6 +41,11 @@ def check_early(args: argparse.Namespace) -> None:
         raise UsageError(f"--weights {weights}: folder not found")
     if args.cmd == "fetch" and args.dest:
         check_folder(args.dest, "--dest")
+    if args.cmd == "bench":
+        check_folder(str(Path(args.out).parent), "--out", args.out)  # written after the timing
+        readme = getattr(args, "readme", None)
+        if readme and not Path(readme).is_file():
+            raise UsageError(f"--readme: results file not found: {readme}")
 
 
 def check_offload_args(args: argparse.Namespace) -> None:
@@ -58,15 +63,16 @@ def check_offload_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--kv-scales: file not found: {args.kv_scales}")
 
 
-def check_folder(path: str, flag: str) -> None:
+def check_folder(path: str, flag: str, given: str | None = None) -> None:
     """A folder the run may create or write into: its nearest existing part is a writable
-    folder."""
+    folder. `given` is what the user wrote, when path is derived from it."""
     folder = Path(path).absolute()
     there = next(d for d in (folder, *folder.parents) if d.exists())
+    shown = given or path
     if not there.is_dir():
-        raise UsageError(f"{flag} {path}: {there} is a file, not a folder")
+        raise UsageError(f"{flag} {shown}: {there} is a file, not a folder")
     if not os.access(there, os.W_OK):
-        raise UsageError(f"{flag} {path}: {there} is not writable")
+        raise UsageError(f"{flag} {shown}: {there} is not writable")
 
 
 def check_out_path(path: str | None, flag: str) -> None:
