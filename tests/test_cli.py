@@ -478,11 +478,16 @@ def wait_for_file(folder: Path, p: subprocess.Popen) -> None:
         time.sleep(0.05)
 
 
-@pytest.mark.parametrize("when", ["importing", "generating"])
-def test_ctrl_c_is_one_line_and_leaves_nothing(when: str, files: dict[str, str],
-                                               tmp_path: Path) -> None:
+@pytest.mark.parametrize("sig, when", [(signal.SIGINT, "importing"),
+                                       (signal.SIGINT, "generating"),
+                                       (signal.SIGTERM, "generating")],
+                         ids=["ctrl-c-importing", "ctrl-c-generating", "sigterm-generating"])
+def test_interrupted_run_is_one_line_and_leaves_nothing(sig: int, when: str,
+                                                        files: dict[str, str],
+                                                        tmp_path: Path) -> None:
     """Interrupted while importing torch (1 s in) or while generating with a disk tier open:
-    `error: interrupted`, exit 130, and the disk tier's file and folders are gone."""
+    `error: interrupted` (or `terminated`), exit 130 (143), and the disk tier's file and folders
+    are gone."""
     work, before = prepare(tmp_path)
     args = fill(["run.py", "w1 w2", "--weights", "{tiny}", "--max-new-tokens", "500",
                  "--device-blocks", "4", "--host-blocks", "4", "--disk-blocks", "40",
@@ -494,10 +499,14 @@ def test_ctrl_c_is_one_line_and_leaves_nothing(when: str, files: dict[str, str],
             time.sleep(1.0)
         else:
             wait_for_file(work / "disk", p)
-        p.send_signal(signal.SIGINT)
+        p.send_signal(sig)
         _, err = p.communicate(timeout=TIMEOUT)
     finally:
         p.kill()
-    assert p.returncode == 130, err
-    check_one_line(err, "error", "interrupted", clean=True)
+    if sig == signal.SIGINT:
+        assert p.returncode == 130, err
+        check_one_line(err, "error", "interrupted", clean=True)
+    else:
+        assert p.returncode == 143, err
+        check_one_line(err, "error", "terminated", clean=True)
     assert tree(work) == before

@@ -28,16 +28,39 @@ def is_out_of_memory(message: str) -> bool:
     return "out of memory" in message or "can't allocate memory" in message
 
 
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread like Ctrl-C so that the run cleans up after itself (a
+    disk tier's file); a BaseException, so that no `except Exception` on the way swallows it."""
+
+
+def raise_terminated(signum: int, frame: object) -> None:
+    raise Terminated
+
+
+@contextmanager
+def termination_raised() -> Iterator[None]:
+    """SIGTERM raises Terminated while the block runs (where nobody else handles it)."""
+    mine = threading.current_thread() is threading.main_thread()
+    if not mine or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+    signal.signal(signal.SIGTERM, raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 @contextmanager
 def interrupts_held() -> Iterator[None]:
-    """Hold Ctrl-C back until the block ends. A SIGINT that lands inside the import of a compiled
-    extension (torch, numpy, numba) can leave it half loaded and surface later as an unrelated
-    ImportError; held, it is raised as KeyboardInterrupt right after the import."""
+    """Hold Ctrl-C (and SIGTERM) back until the block ends. A signal that lands inside the import
+    of a compiled extension (torch, numpy, numba) can leave it half loaded and surface later as
+    an unrelated ImportError; held, it is raised right after the import."""
     if not hasattr(signal, "pthread_sigmask") or threading.current_thread() is not \
             threading.main_thread():
         yield
         return
-    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     try:
         yield
     finally:
@@ -57,16 +80,20 @@ def load_command(name: str) -> Callable:
 
 def main(argv: list[str] | None = None, generate_prog: str | None = None) -> int:
     """Run one command line; returns the exit status (0, 1 for an error, 2 for a bad flag,
-    130 when interrupted). Errors are one `error:` line on stderr."""
+    130 when interrupted, 143 when terminated). Errors are one `error:` line on stderr."""
     try:
-        args = build_parser(generate_prog).parse_args(sys.argv[1:] if argv is None else argv)
-        check_early(args)
-        run = load_command(args.cmd)
-        resolve_specs(args)
-        run(args)
+        with termination_raised():
+            args = build_parser(generate_prog).parse_args(sys.argv[1:] if argv is None else argv)
+            check_early(args)
+            run = load_command(args.cmd)
+            resolve_specs(args)
+            run(args)
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130
+    except Terminated:
+        print("error: terminated", file=sys.stderr)
+        return 143
     except ArgError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
