@@ -123,3 +123,16 @@ def test_smollm2_finds_the_key_fp16(smollm2_dir, tok):
     assert all(380 <= t.tokens <= 400 for t in r.trials)
     assert [t.found for t in r.trials] == [True, True], [t.answer for t in r.trials]
     assert r.accuracy == [[1.0], [1.0]] and r.overall == 1.0
+
+
+def test_cli_passkey_json_and_heatmap(tmp_path, capsys):
+    """`eval --task passkey` end to end on the real model: JSON per length x depth, a PNG."""
+    from tinykv.cli import main
+
+    png = tmp_path / "pk.png"
+    code = main(["eval", "--task", "passkey", "--lengths", "300", "--depths", "2", "--kv",
+                 "fp16", "--threads", "1", "--json", "--plot", str(png)])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["kv"] == "fp16" and out["lengths"] == [300]
+    assert out["depths"] == [0.0, 1.0] and len(out["trials"]) == 2
+    assert out["accuracy"] == [[1.0], [1.0]] and png.stat().st_size > 0

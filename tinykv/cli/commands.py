@@ -351,4 +351,30 @@ def cmd_eval(args) -> None:
 
 
 def cmd_passkey(args) -> None:
-    raise UsageError("eval --task passkey is not wired yet")
+    """`eval --task passkey`: accuracy per length x depth, a heatmap, JSON."""
+    from functools import partial
+
+    from ..passkey import plot_heatmap, run_passkey
+    from ..tokenizer import Tokenizer
+
+    text = read_text(args.text, "eval --task passkey") if args.text else None
+    model, path = load_model(args)
+    tok = Tokenizer.from_dir(path)
+    scales = None
+    if args.kv.needs_scales:
+        from ..calibrate import load_scales
+        scales = load_scales(args.kv_scales, model.cfg, args.kv)
+    factory = partial(make_cache, attention=args.attention, block_size=args.block_size)
+    result = run_passkey(model, tok, args.kv, args.lengths, args.depths, args.trials, args.seed,
+                         text=text, scales=scales, cache_factory=factory, progress=True)
+    if args.plot:
+        plot_heatmap(result, args.plot)
+    if args.json:
+        print(result.to_json())
+        return
+    print("depth \\ length " + " ".join(f"{n:>7}" for n in result.lengths))
+    for depth, row in zip(result.depths, result.accuracy):
+        print(f"{depth:>14.2f} " + " ".join(f"{a:>7.0%}" for a in row))
+    found = sum(t.found for t in result.trials)
+    print(f"[tinykv] passkey under {result.kv}: {found}/{len(result.trials)} found "
+          f"({result.overall:.0%}), {result.seconds:.0f} s", file=sys.stderr)
