@@ -49,7 +49,7 @@ def select_kernels(attention: str, device: torch.device) -> Kernels:
     if attention not in ("auto", "torch", "cpu", "triton"):
         raise CacheError(f"unknown attention {attention!r} (expected auto, torch, cpu or triton)")
     if attention == "auto":
-        attention = "triton" if device.type == "cuda" else "torch"  # TODO(cpu kernel): "cpu"
+        attention = "triton" if device.type == "cuda" else "cpu"
         if attention == "cpu" and not _cpu_kernels_available():
             print("[tinykv] the CPU kernel needs numba; using the torch reference", file=sys.stderr)
             attention = "torch"

@@ -470,6 +470,8 @@ def paged_attention_cpu(q: torch.Tensor, q_seq: torch.Tensor, q_pos: torch.Tenso
                 q[~chunk], q_seq[~chunk], q_pos[~chunk], k, v, block_table, ctx_lens, sm_scale,
                 num_splits)
         return o, lse
+    # numba's pool follows torch's thread count (--threads), never every core
+    numba.set_num_threads(min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
     if num_splits is None:  # items for every thread (a split costs a merge: none for 1 thread)
         threads = numba.get_num_threads()
         num_splits = 1 if threads == 1 else max(1, min(-(-4 * threads // max(N * H, 1)), MB))

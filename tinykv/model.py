@@ -76,6 +76,11 @@ class Config:
         if self.model_type not in LLAMA_FAMILY + GPT2_FAMILY:
             raise ModelError(f"unsupported architecture '{self.model_type}' "
                              f"(supported: {', '.join(LLAMA_FAMILY + GPT2_FAMILY)})")
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim",
+                     "max_seq_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ModelError(f"config: {name} = {value!r} must be a positive integer")
         self.head_dim = self.head_dim or self.dim // self.n_heads
         if self.n_heads % self.n_kv_heads:
             raise ModelError(f"n_heads={self.n_heads} is not a multiple of "
@@ -281,15 +286,30 @@ class Transformer(nn.Module):
         if not (path / "config.json").is_file():
             raise ModelError(f"no config.json in {path}")
         try:
-            cfg = Config.from_hf(json.loads((path / "config.json").read_text()))
-        except (json.JSONDecodeError, KeyError) as e:
+            raw = json.loads((path / "config.json").read_text())
+            if not isinstance(raw, dict):
+                raise ModelError(f"config.json in {path} is not a JSON object")
+            cfg = Config.from_hf(raw)
+        except ModelError as e:
+            raise ModelError(f"{path / 'config.json'}: {e}") from None
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
             raise ModelError(f"malformed config.json in {path}: {e!r}") from None
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
         hf = load_safetensors(path)
         with torch.device("meta"):
             model = cls(cfg)
-        sd = convert_hf_state_dict(cfg, hf)
+        try:
+            sd = convert_hf_state_dict(cfg, hf)
+        except RuntimeError as e:  # torch.cat of tensors whose shapes disagree
+            raise ModelError(f"checkpoint in {path} does not match its config.json: "
+                             f"{str(e).splitlines()[0]}") from None
+        expected = dict(model.named_parameters())
+        for name, t in sd.items():
+            if name in expected and tuple(t.shape) != tuple(expected[name].shape):
+                raise ModelError(f"checkpoint in {path}: tensor {name} has shape "
+                                 f"{tuple(t.shape)}, config.json implies "
+                                 f"{tuple(expected[name].shape)}")
         model.load_state_dict(sd, strict=False, assign=True)
         if cfg.tie_embeddings:
             model.lm_head.weight = model.embed.weight

@@ -199,6 +199,8 @@ class KVPools:
             pool.scale[:, b] = scale
             if zero is not None:
                 pool.zero[:, b] = zero
-        codes, n_sat = quantize(x, p, scale, zero, count=p.static)
+        # static scales can clip, and fp16/bf16 can overflow: count those (counting syncs)
+        count = p.static or (p.is_float and p.dtype != "fp32")
+        codes, n_sat = quantize(x, p, scale, zero, count=count)
         pool.data[:, b] = codes
         self._saturated += n_sat

@@ -38,7 +38,7 @@ def check_early(args: argparse.Namespace) -> None:
         check_offload_args(args)
     weights = getattr(args, "weights", None)
     if weights and not Path(weights).is_dir():
-        raise UsageError(f"--weights {weights}: folder not found")
+        raise UsageError(f"--weights {weights}: weights directory not found")
     if args.cmd == "fetch" and args.dest:
         check_folder(args.dest, "--dest")
     if args.cmd == "bench":
