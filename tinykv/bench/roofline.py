@@ -274,6 +274,8 @@ def collect(model: Transformer, hf, mode: dict, specs: list[str], threads: list[
                 tick(f"{n} threads: attention {spec} {ctx}")
         decode = []
         for batch, ctx in mode["shapes"]:
+            # the decode steps must fit in the model's context: 8192 becomes 8192 - steps - 2
+            ctx = min(ctx, model.cfg.max_seq_len - mode["steps"] - 2)
             for spec in specs:
                 times, kv = decode_tinykv(model, spec, batch, ctx, mode["steps"])
                 decode.append(_row("tinykv", spec, batch, ctx, times, kv, w_bytes, bw["gb_s"]))
