@@ -162,8 +162,11 @@ class Engine:
         tokens = torch.tensor(sum(feed, []), dtype=torch.long, device=plan.positions.device)
         logits = self.model(tokens, plan)  # (len(done), V)
         self.cache.commit(plan)
-        if not bool(logits.isfinite().all()):  # sampling syncs anyway: this check is free
-            raise NumericsError("the model produced NaN/inf logits: the KV cache overflowed or "
+        # Dynamic scales always fit finite values, so any count here is a NaN or a float format
+        # overflowing to inf: attention over it is meaningless, whatever a kernel makes of it.
+        overflowed = not self.cache.spec.needs_scales and self.cache.saturated > 0
+        if overflowed or not bool(logits.isfinite().all()):  # sampling syncs anyway
+            raise NumericsError("NaN/inf in the KV cache or the logits: the cache overflowed or "
                                 "its scales are unusable (try fp32 or a wider spec, recalibrate)")
         out = []
         for r, toks in zip(list(self.running), feed):

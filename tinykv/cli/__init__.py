@@ -15,7 +15,7 @@ from contextlib import contextmanager
 # threads of one pool starve the other's (measured: 2-thread kernel calls 4-18x slower).
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 
-from .inputs import check_early  # noqa: E402
+from .inputs import TERMINATED, Terminated, check_early  # noqa: E402
 from .parser import ArgError, build_parser, resolve_specs  # noqa: E402
 
 
@@ -33,12 +33,8 @@ def is_out_of_memory(message: str) -> bool:
     return "out of memory" in message or "can't allocate memory" in message
 
 
-class Terminated(BaseException):
-    """SIGTERM, raised in the main thread like Ctrl-C so that the run cleans up after itself (a
-    disk tier's file); a BaseException, so that no `except Exception` on the way swallows it."""
-
-
 def raise_terminated(signum: int, frame: object) -> None:
+    TERMINATED.set()  # a raise that lands in a finalizer is lost: the generate loop checks this
     raise Terminated
 
 

@@ -21,7 +21,7 @@ from ..model import Config, ModelError, Transformer
 from ..offload import OffloadConfig
 from ..quant import KVSpec
 from ..tokenizer import StreamDecoder, Tokenizer
-from .inputs import UsageError, read_prompts, read_text
+from .inputs import TERMINATED, Terminated, UsageError, read_prompts, read_text
 from .parser import DEFAULT_MAX_BATCH, DEFAULT_WINDOW
 
 
@@ -223,6 +223,8 @@ def cmd_generate(args) -> None:
         stream = len(rids) == 1 and args.n == 1 and not args.json
         dec = StreamDecoder(tok, skip_special_tokens=True)
         for step, (_, t) in enumerate(eng.run()):
+            if TERMINATED.is_set():  # SIGTERM's raise was swallowed (it landed in a finalizer)
+                raise Terminated
             if step == 0:  # a prompt is in the cache: say now, not after the output, if it broke
                 w = numerics_warning(eng)
                 if w:

@@ -7,8 +7,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import threading
 from pathlib import Path
 
+
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread like Ctrl-C so that the run cleans up after itself (a
+    disk tier's file); a BaseException, so that no `except Exception` on the way swallows it."""
+
+
+TERMINATED = threading.Event()  # SIGTERM arrived (the process's signal state, not the library's)
 
 class UsageError(ValueError):
     """Flags that do not fit together, found before the model loads."""
