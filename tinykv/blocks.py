@@ -14,6 +14,10 @@ STORE, HOT, HOST, DISK = 0, 1, 2, 3
 TIER_NAMES = {STORE: "device", HOT: "full-precision", HOST: "host", DISK: "disk"}
 
 
+class CacheError(ValueError):
+    """A cache that cannot be built as asked (size, memory, kernel); one line."""
+
+
 class PoolExhausted(RuntimeError):
     """No free block is left in a pool (`pool`: STORE, HOT, or None when every tier is full)."""
 

@@ -3,76 +3,30 @@ slots; the model calls `plan.attend(layer, q, k, v)` in each layer; `commit()` f
 
 Three parts, each readable alone: the block tables (tables.py, plain Python: which blocks each
 sequence holds, prefix sharing, copy on write, the offload policy), the pools (pools.py: tensors,
-quantize on store), and here the step's `Plan` and attention: the store pool, the full-precision
-hot blocks and any offloaded chunks are attended apart and merged exactly by log-sum-exp.
-The attention and store kernels are chosen once, when the cache is built.
+quantize on store, sizes), and here the step's `Plan` and attention: the store pool, the hot
+blocks and offloaded chunks are attended apart and merged exactly by log-sum-exp. The kernels
+are chosen once, when the cache is built (attention.py).
 """
 
 from __future__ import annotations
 
 import math
-import os
-import sys
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from . import evict, kernels_triton
-from .blocks import DISK, HOST, HOT, STORE, PoolExhausted
-from .kernels import gather_dequant, merge_partials, paged_attention_ref, quantize_store_ref
+from . import evict
+from .attention import Kernels, select_kernels
+from .blocks import DISK, HOST, HOT, STORE, CacheError, PoolExhausted
+from .kernels import gather_dequant, merge_partials
 from .model import Config
 from .offload import OffloadConfig, Offloader
-from .pools import KVPools
-from .quant import KVSpec, bytes_per_token, layer_rotations
+from .pools import KVPools, block_bytes, check_memory, hot_blocks
+from .quant import KVSpec, layer_rotations
 from .tables import BlockTables, Slots
 
-__all__ = ["CacheError", "Kernels", "PagedKVCache", "Plan", "PoolExhausted", "make_cache",
-           "select_kernels"]
-
-
-class CacheError(ValueError):
-    """A cache that cannot be built as asked (size, memory, kernel); one line."""
-
-
-@dataclass(frozen=True)
-class Kernels:
-    """The attention and store kernels a cache uses: one signature each, three implementations."""
-    name: str  # torch | cpu | triton
-    attend: Callable  # paged_attention_ref's signature
-    store: Callable  # quantize_store_ref's signature
-
-
-def select_kernels(attention: str, device: torch.device) -> Kernels:
-    """`auto` is Triton on CUDA and the fused CPU kernel elsewhere (the torch reference, with a
-    note on stderr, when the CPU kernel's JIT is missing)."""
-    if attention not in ("auto", "torch", "cpu", "triton"):
-        raise CacheError(f"unknown attention {attention!r} (expected auto, torch, cpu or triton)")
-    if attention == "auto":
-        attention = "triton" if device.type == "cuda" else "cpu"
-        if attention == "cpu" and not _cpu_kernels_available():
-            print("[tinykv] the CPU kernel needs numba; using the torch reference", file=sys.stderr)
-            attention = "torch"
-    if attention == "triton":
-        interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # the CPU runs it, slowly
-        if kernels_triton.triton is None or not (device.type == "cuda" or interpreted):
-            raise CacheError("--attention triton needs Triton and a CUDA device")
-        return Kernels("triton", kernels_triton.paged_attention_triton,
-                       kernels_triton.quantize_store_triton)
-    if attention == "cpu":
-        if device.type != "cpu" or not _cpu_kernels_available():
-            raise CacheError("--attention cpu needs numba and the model on the CPU")
-        from . import kernels_cpu
-        return Kernels("cpu", kernels_cpu.paged_attention_cpu, kernels_cpu.quantize_store_cpu)
-    return Kernels("torch", paged_attention_ref, quantize_store_ref)
-
-
-def _cpu_kernels_available() -> bool:
-    try:
-        from . import kernels_cpu
-    except ImportError:
-        return False
-    return kernels_cpu.AVAILABLE
+__all__ = ["CacheError", "Kernels", "PagedKVCache", "Plan", "PoolExhausted", "block_bytes",
+           "hot_blocks", "make_cache", "select_kernels"]
 
 
 @dataclass
@@ -360,27 +314,6 @@ def _index(x: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(x, dtype=torch.long, device=device)
 
 
-def hot_blocks(spec: KVSpec, block_size: int, max_seqs: int, max_step_tokens: int) -> int:
-    """Full-precision blocks a cache keeps: each sequence's sinks, residual window and tail, plus
-    the blocks one step may fill before `commit` quantizes them."""
-    uses_hot = spec.k.block_wise or spec.v.block_wise or spec.sink or spec.residual
-    if not uses_hot:
-        return 0
-    per_seq = math.ceil(spec.sink / block_size) + math.ceil(spec.residual / block_size) + 2
-    return per_seq * max_seqs + max_step_tokens // block_size
-
-
-def block_bytes(cfg: Config, spec: KVSpec, block_size: int,
-                dtype: torch.dtype = torch.float32) -> float:
-    """Bytes of one store block, all layers, K and V (quant.bytes_per_token's formula); skipped
-    layers store the model's dtype."""
-    H, D = cfg.n_kv_heads, cfg.head_dim
-    per_token = sum(bytes_per_token(p, H, D, block_size) for p in (spec.k, spec.v))
-    n_skip = len(spec.skipped(cfg.n_layers))
-    full = 2 * H * D * dtype.itemsize
-    return ((cfg.n_layers - n_skip) * per_token + n_skip * full) * block_size
-
-
 def make_cache(cfg: Config, spec: KVSpec | str, *, tokens: int | None = None,
                blocks: int | None = None, budget_bytes: int | None = None,
                scales: dict[str, torch.Tensor] | None = None, attention: str = "auto",
@@ -419,33 +352,9 @@ def make_cache(cfg: Config, spec: KVSpec | str, *, tokens: int | None = None,
         raise CacheError(f"the KV pool needs at least one block (got {blocks})")
     n_hot = hot_blocks(spec, block_size, max_seqs, max_step_tokens)
     hot_bytes = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * block_size * dtype.itemsize
-    _check_memory(blocks * per_block + n_hot * hot_bytes, device)
+    check_memory(blocks * per_block + n_hot * hot_bytes, device)
     if offload is not None and offload.host_blocks:  # the host tier lives in CPU memory
-        _check_memory(offload.host_blocks * per_block, torch.device("cpu"))
+        check_memory(offload.host_blocks * per_block, torch.device("cpu"))
     kernels = select_kernels(attention, device)
     return PagedKVCache(cfg, spec, blocks, block_size, kernels, max_seqs, max_step_tokens,
                         device, dtype, scales, offload)
-
-
-def _check_memory(need: float, device: torch.device) -> None:
-    """Refuse, before allocating, a pool the machine cannot hold."""
-    if device.type == "cuda":
-        free = torch.cuda.mem_get_info(device)[0]
-    else:
-        free = available_memory()
-    if free is not None and need > free:
-        raise CacheError(f"the KV cache needs {need / 2**30:.1f} GiB but {free / 2**30:.1f} GiB "
-                         f"of {device.type} memory is available; lower --device-blocks, "
-                         "--kv-memory, residual= or sink=")
-
-
-def available_memory() -> int | None:
-    """Bytes of host memory available now (Linux' MemAvailable), or None where unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None

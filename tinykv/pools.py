@@ -13,15 +13,16 @@ of layers sharing one storage format, and L above is the group's number of layer
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from .blocks import HOT
+from .blocks import HOT, CacheError
 from .kernels import PoolLayer
 from .model import Config
-from .quant import KVSpec, QuantParams, compute_scales, quantize
+from .quant import KVSpec, QuantParams, bytes_per_token, compute_scales, quantize
 
 _FLOAT_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -204,3 +205,49 @@ class KVPools:
         codes, n_sat = quantize(x, p, scale, zero, count=count)
         pool.data[:, b] = codes
         self._saturated += n_sat
+
+
+# ---- sizing: what a pool of a spec costs, and whether the machine holds it ---------------------
+def hot_blocks(spec: KVSpec, block_size: int, max_seqs: int, max_step_tokens: int) -> int:
+    """Full-precision blocks a cache keeps: each sequence's sinks, residual window and tail, plus
+    the blocks one step may fill before `commit` quantizes them."""
+    uses_hot = spec.k.block_wise or spec.v.block_wise or spec.sink or spec.residual
+    if not uses_hot:
+        return 0
+    per_seq = math.ceil(spec.sink / block_size) + math.ceil(spec.residual / block_size) + 2
+    return per_seq * max_seqs + max_step_tokens // block_size
+
+
+def block_bytes(cfg: Config, spec: KVSpec, block_size: int,
+                dtype: torch.dtype = torch.float32) -> float:
+    """Bytes of one store block, all layers, K and V (quant.bytes_per_token's formula); skipped
+    layers store the model's dtype."""
+    H, D = cfg.n_kv_heads, cfg.head_dim
+    per_token = sum(bytes_per_token(p, H, D, block_size) for p in (spec.k, spec.v))
+    n_skip = len(spec.skipped(cfg.n_layers))
+    full = 2 * H * D * dtype.itemsize
+    return ((cfg.n_layers - n_skip) * per_token + n_skip * full) * block_size
+
+
+def check_memory(need: float, device: torch.device) -> None:
+    """Refuse, before allocating, a pool the machine cannot hold."""
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        free = available_memory()
+    if free is not None and need > free:
+        raise CacheError(f"the KV cache needs {need / 2**30:.1f} GiB but {free / 2**30:.1f} GiB "
+                         f"of {device.type} memory is available; lower --device-blocks, "
+                         "--kv-memory, residual= or sink=")
+
+
+def available_memory() -> int | None:
+    """Bytes of host memory available now (Linux' MemAvailable), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
