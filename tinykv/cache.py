@@ -202,9 +202,7 @@ class PagedKVCache:
         """
         slots = self.tables.assign(seq_ids, new_tokens)
         dev = self.device
-        tables = {STORE: self._table(seq_ids, STORE)}
-        if self.n_hot:
-            tables[HOT] = self._table(seq_ids, HOT)
+        tables = self._tables(seq_ids)
         chunks = []
         if self.offload:
             one_pass = self.kernels.name != "triton" and dev.type == "cpu"
@@ -244,9 +242,13 @@ class PagedKVCache:
             out[pool] = (first, _index(blk, self.device), _index(off, self.device))
         return out
 
-    def _table(self, seq_ids: list[int], tier: int) -> torch.Tensor:
-        rows = self.tables.table_rows(seq_ids, tier)
-        return torch.tensor(rows, dtype=torch.int32).to(self.device)  # (B, MB)
+    def _tables(self, seq_ids: list[int]) -> dict[int, torch.Tensor]:
+        """pool -> (B, MB) block ids of these sequences, -1 where a block is elsewhere."""
+        out = {}
+        for tier in (STORE, HOT) if self.n_hot else (STORE,):
+            rows = self.tables.table_rows(seq_ids, tier)
+            out[tier] = torch.tensor(rows, dtype=torch.int32).to(self.device)
+        return out
 
     def attend(self, layer: int, q: torch.Tensor, plan: Plan) -> torch.Tensor:
         """Attention of the step's queries (N, Hq, D) over everything cached for their sequences."""
@@ -290,15 +292,11 @@ class PagedKVCache:
         for tier, b in st.blocks:
             if tier in (HOST, DISK):
                 self.tables.move(tier, b, STORE)
-        tables = {tier: self._table([seq_id], tier) for tier in (STORE, HOT) if
-                  tier == STORE or self.n_hot}
-        out = []
-        for i in range(2):  # K, V
-            layers = []
-            for layer in range(self.cfg.n_layers):
-                layers.append(self.layer_kv(layer, i, tables))
-            out.append(torch.stack(layers)[..., :st.slots, :])  # (L, H, slots, D)
-        return out[0], out[1]
+        tables = self._tables([seq_id])
+        n_layers = range(self.cfg.n_layers)
+        k = torch.stack([self.layer_kv(layer, 0, tables) for layer in n_layers])  # (L, H, S, D)
+        v = torch.stack([self.layer_kv(layer, 1, tables) for layer in n_layers])
+        return k[..., :st.slots, :], v[..., :st.slots, :]  # (L, H, slots, D)
 
     def layer_kv(self, layer: int, i: int, tables: dict[int, torch.Tensor]) -> torch.Tensor:
         """K (i=0) or V (i=1) of one layer of one sequence (tables (1, MB) per pool): (H, S, D)."""
