@@ -284,6 +284,10 @@ EARLY_ERRORS = [
     ("eval-text-missing", ["eval", "--weights", "{tiny}", "--text", "{missing}"], "not found"),
     ("weights-missing", ["run.py", "w1", "--weights", "{missing}"], "not found"),
     ("bench-out-under-file", ["bench", "kernel", "--quick", "--out", "{a_file}/k.json"], "file"),
+    ("bench-quality-nothing", ["bench", "quality", "--weights", "{tiny}", "--no-ppl",
+                               "--no-passkey"], "nothing to measure"),
+    ("bench-quality-filler", ["bench", "quality", "--weights", "{tiny}", "--filler",
+                              "{missing}"], "not found"),
 ]
 if NO_GPU:
     EARLY_ERRORS += [
@@ -316,6 +320,8 @@ MODEL_ERRORS = [
                             "{text}", "--window", "64"], "finite"),
     ("eval-window-over-context", ["eval", "--weights", "{tiny}", "--text", "{text}",
                                   "--window", "1000"], "context"),
+    ("bench-quality-length", ["bench", "quality", "--weights", "{tiny}", "--no-ppl",
+                              "--lengths", "100000", "--out", "{out}"], "context"),
 ]
 # The model's zero heads: torch warns about zero-element tensors on stderr before the error,
 # until model.Config refuses the config itself.

@@ -5,8 +5,8 @@ from __future__ import annotations
 import shlex
 import sys
 
-from .commands import load_model
-from .inputs import read_text
+from .commands import check_cache_args, load_model, window_of
+from .inputs import UsageError, read_text
 
 
 def cmd_bench(args) -> None:
@@ -16,6 +16,8 @@ def cmd_bench(args) -> None:
         return cmd_bench_kernel(args)
     if args.bench_cmd == "roofline":
         return cmd_bench_roofline(args)
+    if args.bench_cmd == "quality":
+        return cmd_bench_quality(args)
     text_path = args.text or str(SAMPLE_TEXT)
     if args.bench_cmd == "profile":
         text = read_text(text_path, "bench profile")
@@ -59,3 +61,26 @@ def cmd_bench_roofline(args) -> None:
     command = " ".join(["python -m tinykv bench", *map(shlex.quote, sys.argv[2:])])
     roofline.run(model, path, quick=args.quick, threads=args.thread_counts, specs=specs,
                  transformers=not args.no_transformers, out=args.out, command=command)
+
+
+def cmd_bench_quality(args) -> None:
+    from ..bench import quality
+    from ..calibrate import load_scales
+    from ..evaluate import SAMPLE_TEXT, tokens_of
+
+    if args.no_ppl and args.no_passkey:
+        raise UsageError("--no-ppl with --no-passkey leaves nothing to measure")
+    check_cache_args(args, args.kv)
+    text = None if args.no_ppl else read_text(args.text or str(SAMPLE_TEXT), "bench quality")
+    filler = read_text(args.filler, "bench quality --filler") if args.filler else None
+    model, path = load_model(args)
+    window = window_of(args, model)
+    tokens = None if text is None else tokens_of(text, path, args.offset, args.max_tokens)
+
+    def scales_for(spec):
+        return load_scales(args.kv_scales, model.cfg, spec) if spec.needs_scales else None
+
+    lengths = [] if args.no_passkey else args.lengths
+    command = " ".join(["python -m tinykv bench", *map(shlex.quote, sys.argv[2:])])
+    quality.run(model, path, args.kv, tokens, window, args.chunk, lengths, args.depths,
+                args.trials, scales_for, filler, args.out, command)

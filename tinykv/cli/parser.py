@@ -371,3 +371,30 @@ def add_bench_parsers(sub: argparse._SubParsersAction) -> None:
                    help="results JSON; the chart goes beside it")
     r.add_argument("--weights", metavar="DIR", help="model folder (default: SmolLM2-135M)")
     r.add_argument("--no-transformers", action="store_true", help="tinykv only")
+    add_quality_parser(bsub)
+
+
+def add_quality_parser(bsub: argparse._SubParsersAction) -> None:
+    q = bsub.add_parser("quality", help="bytes/token, perplexity and passkey accuracy per spec",
+                        description="One row per KV spec: stored bytes per token, tokens held, "
+                                    "perplexity through the cache and passkey accuracy.",
+                        formatter_class=Help)
+    q.set_defaults(prog=q.prog)
+    q.add_argument("--kv", type=kv_spec, nargs="+", metavar="SPEC",
+                   default=[kv_spec(s) for s in ("fp16", "int8", "int4:rot")],
+                   help="KV specs, one row each (the first is the baseline)")
+    q.add_argument("--kv-scales", metavar="FILE", help="static scales for the static specs")
+    q.add_argument("--chunk", type=POSITIVE, default=16, metavar="C", help="tokens fed per step")
+    q.add_argument("--lengths", type=int_list, default="2000", metavar="N,N",
+                   help="passkey prompt lengths")
+    q.add_argument("--depths", type=int_range(1, 100), default=5, metavar="N",
+                   help="passkey depths")
+    q.add_argument("--trials", type=POSITIVE, default=1, metavar="N",
+                   help="passkey trials per cell")
+    q.add_argument("--filler", metavar="FILE", help="passkey filler text (default: built in)")
+    q.add_argument("--no-ppl", action="store_true", help="passkey only")
+    q.add_argument("--no-passkey", action="store_true", help="perplexity only")
+    q.add_argument("--out", default="bench/quality-new.json", metavar="JSON",
+                   help="results JSON")
+    add_text_args(q, 8192)
+    add_model_args(q)
