@@ -1,12 +1,14 @@
-"""Storage options of the pools: `:rot` rotations and `skip=` layers, against plain attention."""
+"""Storage options of the pools: `:rot` rotations, `:center` means and `skip=` layers, against
+plain attention."""
 
 import pytest
 import torch
 from test_cache import run_cached, tiny
 from test_offload import generate
 
+from tinykv.blocks import CacheError
 from tinykv.cache import make_cache
-from tinykv.calibrate import CalibrationError, calibrate, export_vllm
+from tinykv.calibrate import CalibrationError, calibrate, export_vllm, record
 from tinykv.quant import KVSpec, SpecError, compute_scales, dequantize, quantize, rotation_matrix
 
 
@@ -103,4 +105,65 @@ def test_static_scales_of_a_rotated_spec():
     ref = m(torch.tensor([toks]))[0]
     assert cache.saturated == 0 and (got - ref).abs().max() < 0.05
     with pytest.raises(CalibrationError, match="rotation"):
+        export_vllm(scales, spec, "/nonexistent/never-written.safetensors")
+
+
+def random_centers(m, scale: float = 5.0) -> dict[str, torch.Tensor]:
+    """Large per-channel means (L, H, D) for keys and values: far from what the model makes."""
+    g = torch.Generator().manual_seed(12)
+    shape = (m.cfg.n_layers, m.cfg.n_kv_heads, m.cfg.head_dim)
+    return {"k_center": scale * torch.randn(shape, generator=g),
+            "v_center": scale * torch.randn(shape, generator=g)}
+
+
+@pytest.mark.parametrize("spec", ["fp32:center", "k=fp32:center,v=fp32", "k=fp32,v=fp32:center",
+                                  "fp32:rot:center", "k=fp32:center:rot,v=fp32:rot,skip=0"])
+def test_centering_with_exact_storage_changes_nothing(spec):
+    """Softmax ignores q . mu_k, common to a query's scores, and sum p (v - mu) + mu = sum p v:
+    a centered fp32 cache equals no cache, whatever the means."""
+    m = tiny()
+    toks = torch.randint(0, 128, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    cache = make_cache(m.cfg, spec, blocks=16, block_size=8, scales=random_centers(m))
+    got = run_cached(m, cache, {0: toks}, chunk=5)[0]
+    torch.testing.assert_close(got, m(torch.tensor([toks]))[0], atol=1e-4, rtol=1e-4)
+
+
+def test_centering_stores_keys_minus_the_mean():
+    m = tiny()
+    toks = list(range(1, 30))
+    centers = random_centers(m)
+    plain = make_cache(m.cfg, "fp32", blocks=16, block_size=8)
+    run_cached(m, plain, {0: toks}, chunk=4)
+    centered = make_cache(m.cfg, "k=fp32:center,v=fp32", blocks=16, block_size=8, scales=centers)
+    run_cached(m, centered, {0: toks}, chunk=4)
+    (k0, v0), (k1, v1) = plain.seq_kv(0), centered.seq_kv(0)  # (L, H, T, D)
+    torch.testing.assert_close(k1, k0 - centers["k_center"][:, :, None], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(v1, v0)
+
+
+def test_centering_needs_its_means():
+    m = tiny()
+    with pytest.raises(SpecError, match="centers k"):
+        make_cache(m.cfg, "k=int4:center,v=int4", blocks=4, scales={"v_center": torch.zeros(1)})
+    with pytest.raises(CacheError, match="calibration"):
+        make_cache(m.cfg, "int4:center", blocks=4)
+
+
+def test_calibrated_centers_and_scales_of_a_centered_spec():
+    """The file's means are the recorded keys' means; static scales are observed on centered
+    keys, and a cache with both follows the model."""
+    m = tiny()
+    toks = torch.randint(0, 128, (64,), generator=torch.Generator().manual_seed(3)).tolist()
+    spec = KVSpec.parse("k=int8:head:static:center,v=int8:head:static")
+    scales = calibrate(m, toks, spec, window=64)
+    rec = record(m, toks, window=64)
+    torch.testing.assert_close(scales["k_center"], rec.stacked("k").mean(2))
+    assert "v_center" not in scales
+    plain = calibrate(m, toks, KVSpec.parse("int8:head:static"), window=64)
+    assert not torch.allclose(scales["k_scale"], plain["k_scale"])
+    torch.testing.assert_close(scales["v_scale"], plain["v_scale"])
+    cache = make_cache(m.cfg, spec, blocks=16, block_size=8, scales=scales)
+    got = run_cached(m, cache, {0: toks}, chunk=8)[0]
+    assert cache.saturated == 0 and (got - m(torch.tensor([toks]))[0]).abs().max() < 0.05
+    with pytest.raises(CalibrationError, match="centering"):
         export_vllm(scales, spec, "/nonexistent/never-written.safetensors")

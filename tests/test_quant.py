@@ -266,19 +266,25 @@ def test_parse_examples():
     assert KVSpec.parse("k=int8:head:static,v=int8:head:static").needs_scales
     assert str(KVSpec.parse("fp8:tensor,residual=0")) == "fp8"
     assert str(KVSpec.parse("int4:static:head:asym")) == "int4:head:asym:static"
+    kv = KVSpec.parse("k=int4:center:rot,v=int4:rot")
+    assert (kv.k.rot, kv.k.center, kv.v.rot, kv.v.center) == (True, True, True, False)
+    assert str(kv) == "k=int4:rot:center,v=int4:rot" and kv.needs_scales  # means from a file
+    assert str(KVSpec.parse("fp16:center")) == "fp16:center"
+    assert not KVSpec.parse("int4:rot").needs_scales
 
 
 @st.composite
 def parts(draw):
     """A valid PART string built from random choices (explicit defaults included at random)."""
     dtype = draw(st.sampled_from(["int8", "int4", "int2", "fp8", "fp32", "fp16", "bf16"]))
+    transforms = [o for o in ("rot", "center") if draw(st.booleans())]
     if dtype.startswith(("fp3", "fp1", "bf")):
-        return dtype
+        return ":".join([dtype, *draw(st.permutations(transforms))])
     gran = draw(st.sampled_from(["", "tensor", "head", "channel", "token", "g8", "g32", "g128"]))
     sym = draw(st.sampled_from(["", "sym"] if dtype == "fp8" else ["", "sym", "asym"]))
     calibratable = gran in ("tensor", "head", "channel") or (gran == "" and dtype == "fp8")
     static = draw(st.sampled_from(["", "static", "dynamic"] if calibratable else ["", "dynamic"]))
-    opts = [o for o in (gran, sym, static) if o]
+    opts = [o for o in (gran, sym, static) if o] + transforms
     return ":".join([dtype, *draw(st.permutations(opts))])
 
 
@@ -326,6 +332,7 @@ def test_spec_fuzz_only_raises_spec_error(text):
     ("k=int8,k=int4,v=fp16", "k=int4"),
     ("int8,int4", "int4"), ("int8:asym:sym", "int8:asym:sym"), ("int4:gx", "gx"),
     ("fp8:g", "fp8:g"), ("int8,sink=-1", "sink=-1"), ("int8\n,v=fp16:head", "v=fp16:head"),
+    ("int4:center:center", "center given twice"), ("fp16:center:head", "fp16:center:head"),
 ])
 def test_malformed_specs(spec, bad):
     with pytest.raises(SpecError) as e:

@@ -22,7 +22,7 @@ from .kernels import gather_dequant, merge_partials
 from .model import Config
 from .offload import OffloadConfig, Offloader
 from .pools import KVPools, block_bytes, check_memory, hot_blocks
-from .quant import KVSpec, layer_rotations
+from .quant import KVSpec, layer_transforms
 from .tables import BlockTables, Slots
 
 __all__ = ["CacheError", "Kernels", "PagedKVCache", "Plan", "PoolExhausted", "block_bytes",
@@ -50,22 +50,16 @@ class Plan:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (N, Hq, D), k, v (N, H, D) -> o (N, Hq, D).
 
-        With `:rot`, keys (after RoPE) and queries turn by the same orthogonal R_k, so scores are
-        unchanged; values turn by R_v before they are stored and the output turns back, outside
-        the kernels, so every kernel serves rotated caches unchanged."""
-        rk, rv = self.cache.rotations[layer]
-        if rk is not None:
-            q = q @ rk  # (N, Hq, D): q R . k R = q . k
-            k = k @ rk
-        if rv is not None:
-            v = v @ rv
+        `:rot` and `:center` transform keys (after RoPE), queries and values before they reach
+        the pools and the kernels, and the output after (quant.Transform): scores and outputs
+        are unchanged in exact arithmetic, and every kernel serves them as is."""
+        t = self.cache.transforms[layer]
+        q, k, v = t.queries(q), t.keys(k), t.values(v)  # (N, Hq, D), (N, H, D), (N, H, D)
         self.cache.pools.write(layer, k, v, self.slots)
         o = self.cache.attend(layer, q, self)  # (N, Hq, D)
         if self.cache.evictor is not None:  # policies that score by attention look at q
             self.cache.evictor.observe(self.cache, layer, q, self)
-        if rv is not None:
-            o = o @ rv.T  # sum p (v R) = (sum p v) R
-        return o
+        return t.output(o)
 
 
 class PagedKVCache:
@@ -78,6 +72,9 @@ class PagedKVCache:
                  offload: OffloadConfig | None = None):
         self.cfg, self.spec, self.bs, self.kernels = cfg, spec, block_size, kernels
         self.device, self.dtype = torch.device(device), dtype
+        # per layer: rotation and centering around the kernels (first: a bad file fails early)
+        self.transforms = [t.to(self.device, dtype) for t in
+                           layer_transforms(spec, cfg.n_layers, cfg.head_dim, scales)]
         self.n_hot = hot_blocks(spec, block_size, max_seqs, max_step_tokens)
         self.pools = KVPools(cfg, spec, num_blocks, self.n_hot, block_size, self.device, dtype,
                              scales, kernels.store)
@@ -91,10 +88,6 @@ class PagedKVCache:
                                      self.pools.layer_rows)
         self.sm_scale = 1.0 / math.sqrt(cfg.head_dim)
         self.evictor = evict.Evictor(spec, cfg.n_layers, cfg.n_kv_heads) if spec.evict else None
-        self.rotations = []  # per layer (R_k, R_v), each (D, D) or None
-        for rk, rv in layer_rotations(spec, cfg.n_layers, cfg.head_dim):
-            self.rotations.append(tuple(None if r is None else r.to(self.device, dtype)
-                                        for r in (rk, rv)))
 
     # ---- lifetime -------------------------------------------------------------------------------
     def close(self) -> None:
@@ -326,8 +319,8 @@ def make_cache(cfg: Config, spec: KVSpec | str, *, tokens: int | None = None,
     for p in (spec.k, spec.v):
         p.check(cfg.head_dim)
     if spec.needs_scales and scales is None:
-        raise CacheError(f"KV spec '{spec}' has static scales: pass a calibration file "
-                         "(--kv-scales)")
+        raise CacheError(f"KV spec '{spec}' has static scales or centers: pass a calibration "
+                         "file (--kv-scales)")
     if block_size < 1:
         raise CacheError(f"block size {block_size} must be >= 1")
     spec.skipped(cfg.n_layers)  # a skip= outside the model is a SpecError here

@@ -29,7 +29,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from .model import Config, Transformer
-from .quant import KVSpec, QuantParams, compute_scales, layer_rotations
+from .quant import KVSpec, QuantParams, Transform, compute_scales, layer_transforms
 
 FORMAT = "tinykv-kv-scales/1"  # metadata["format"] of a scale file
 
@@ -43,10 +43,8 @@ class Recorder:
     answers with plain causal attention, so the model computes what it does uncached. A call is
     one sequence."""
 
-    def __init__(self, model: Transformer, keep_q: bool = False,
-                 rotations: list[tuple] | None = None):
+    def __init__(self, model: Transformer, keep_q: bool = False):
         self.model, self.keep_q = model, keep_q
-        self.rotations = rotations  # per layer (R_k, R_v) of a `:rot` spec: record as stored
         self.seen = {w: [[] for _ in range(model.cfg.n_layers)] for w in "qkv"}  # (heads, N, D)
 
     def __call__(self, tokens: list[int]) -> None:
@@ -57,13 +55,8 @@ class Recorder:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> torch.Tensor:
-        """q (N, Hq, D), k, v (N, H, D) -> o (N, Hq, D), recording all three (rotated as the
-        cache rotates them, so static scales fit what it stores)."""
-        rk, rv = self.rotations[layer] if self.rotations else (None, None)
-        if rk is not None:
-            q, k = q @ rk.to(q.dtype), k @ rk.to(k.dtype)
-        if rv is not None:
-            v = v @ rv.to(v.dtype)
+        """q (N, Hq, D), k, v (N, H, D) -> o (N, Hq, D), recording all three as the model
+        makes them (`as_cached` turns them into what a cache under a spec stores)."""
         kept = [("k", k), ("v", v)]
         if self.keep_q:
             kept.append(("q", q))
@@ -73,10 +66,7 @@ class Recorder:
         q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))  # (1, heads, N, D) as uncached
         o = torch.nn.functional.scaled_dot_product_attention(
             q, k.repeat_interleave(n_rep, 1), v.repeat_interleave(n_rep, 1), is_causal=True)
-        o = o[0].transpose(0, 1)  # (N, Hq, D)
-        if rv is not None:
-            o = o @ rv.to(o.dtype).T
-        return o
+        return o[0].transpose(0, 1)  # (N, Hq, D)
 
     def stacked(self, which: str) -> torch.Tensor:
         """Everything recorded of 'q', 'k' or 'v': (L, heads, T, D) float32 on the CPU."""
@@ -84,14 +74,14 @@ class Recorder:
 
 
 def record(model: Transformer, tokens: list[int], window: int = 1024, keep_q: bool = False,
-           progress: bool = False, rotations: list[tuple] | None = None) -> Recorder:
+           progress: bool = False) -> Recorder:
     """Run tokens through the model in independent windows (fresh positions 0..W-1 each) and
     record."""
     limit = model.cfg.max_seq_len
     if not tokens or not 1 <= window <= limit:
         raise CalibrationError(f"need tokens and a window in 1..{limit} "
                                f"(got {len(tokens)}, {window})")
-    rec = Recorder(model, keep_q, rotations)
+    rec = Recorder(model, keep_q)
     starts = range(0, len(tokens), window)
     for start in tqdm(starts, desc="calibrate", unit="window", disable=not progress):
         rec(tokens[start:start + window])
@@ -149,23 +139,38 @@ def observe(x: torch.Tensor, p: QuantParams,
     return lo.unsqueeze(2), hi.unsqueeze(2)
 
 
-def spec_rotations(model: Transformer, spec: KVSpec) -> list[tuple] | None:
-    """The cache's rotations for spec, or None when it has no `:rot` part."""
-    if not (spec.k.rot or spec.v.rot):
-        return None
-    return layer_rotations(spec, model.cfg.n_layers, model.cfg.head_dim)
+def centers_of(k: torch.Tensor, v: torch.Tensor, spec: KVSpec) -> dict[str, torch.Tensor]:
+    """The per-channel means (L, H, D) of recorded keys and values (L, H, T, D) that the spec's
+    `:center` parts subtract (quant.Transform)."""
+    out = {}
+    for name, p, x in (("k", spec.k, k), ("v", spec.v, v)):
+        if p.center:
+            out[f"{name}_center"] = x.float().mean(2)
+    return out
+
+
+def as_cached(x: torch.Tensor, which: str, transforms: list[Transform]) -> torch.Tensor:
+    """Recorded q, k or v (L, heads, T, D) as a cache with these per-layer transforms holds it
+    (rotated, centered), so that static scales and attention errors fit what is stored."""
+    out = []
+    for layer, t in enumerate(transforms):
+        y = x[layer].transpose(0, 1)  # (T, heads, D), the layout Transform takes
+        y = {"q": t.queries, "k": t.keys, "v": t.values}[which](y)
+        out.append(y.transpose(0, 1))
+    return torch.stack(out)
 
 
 def check_request(spec: KVSpec, observer: str, vllm: bool = False) -> None:
     """Fail fast, before the slow part, on what calibration (and the vLLM export) cannot do."""
     if not spec.needs_scales:
-        raise CalibrationError(f"KV spec '{spec}' has no static part to calibrate "
-                               "(e.g. int8:tensor:static)")
+        raise CalibrationError(f"KV spec '{spec}' has no static or centered part to calibrate "
+                               "(e.g. int8:tensor:static or int4:rot:center)")
     parse_observer(observer)
     p = spec.k
-    if vllm and (p.rot or spec.v.rot or spec.skip):
-        raise CalibrationError(f"vLLM cannot apply tinykv's rotation or skipped layers: '{spec}' "
-                               "has :rot or skip= (export a spec without them)")
+    if vllm and (p.rot or spec.v.rot or p.center or spec.v.center or spec.skip):
+        raise CalibrationError(f"vLLM cannot apply tinykv's rotation, centering or skipped "
+                               f"layers: '{spec}' has :rot, :center or skip= (export a spec "
+                               "without them)")
     vllm_format = (p == spec.v and p.sym and p.gran in ("tensor", "head")
                    and p.dtype in ("fp8", "int8"))
     if vllm and not vllm_format:
@@ -200,10 +205,24 @@ def static_scales(k: torch.Tensor, v: torch.Tensor, spec: KVSpec,
 
 def calibrate(model: Transformer, tokens: list[int], spec: KVSpec, observer: str = "minmax",
               window: int = 1024, progress: bool = False) -> dict[str, torch.Tensor]:
-    """Record the model's keys/values over tokens and return static scales for spec."""
+    """Record the model's keys/values over tokens and return what spec calibrates: the means of
+    its centered parts, then static scales of what the cache stores (centered, rotated)."""
+    return calibrated(model, tokens, spec, observer, window, progress)[0]
+
+
+def calibrated(model: Transformer, tokens: list[int], spec: KVSpec, observer: str,
+               window: int, progress: bool) -> tuple[dict[str, torch.Tensor], torch.Tensor,
+                                                     torch.Tensor]:
+    """(the scale file's tensors, keys, values (L, H, T, D) as the cache stores them)."""
     check_request(spec, observer)
-    rec = record(model, tokens, window, progress=progress, rotations=spec_rotations(model, spec))
-    return static_scales(rec.stacked("k"), rec.stacked("v"), spec, observer)
+    rec = record(model, tokens, window, progress=progress)
+    k, v = rec.stacked("k"), rec.stacked("v")  # (L, H, T, D) each, as the model makes them
+    out = centers_of(k, v, spec)
+    transforms = layer_transforms(spec, model.cfg.n_layers, model.cfg.head_dim, out)
+    k, v = as_cached(k, "k", transforms), as_cached(v, "v", transforms)
+    if spec.k.static or spec.v.static:
+        out.update(static_scales(k, v, spec, observer))
+    return out, k, v
 
 
 def fingerprint(cfg: Config) -> dict[str, str]:
@@ -245,12 +264,15 @@ def load_scales(path: str | Path, cfg: Config, spec: KVSpec) -> dict[str, torch.
         raise CalibrationError(f"{path} was calibrated for skip={file_spec.skip or 'none'}, "
                                f"not skip={spec.skip or 'none'} (it is for '{file_spec}')")
     if not spec.needs_scales:
-        raise CalibrationError(f"--kv-scales given but KV spec '{spec}' has no static part "
+        raise CalibrationError(f"--kv-scales given but KV spec '{spec}' has no static or "
+                               "centered part "
                                f"({path}: '{file_spec}')")
     out = {}
     for name, p, fp in (("k", spec.k, file_spec.k), ("v", spec.v, file_spec.v)):
+        if p.center:
+            out[f"{name}_center"] = _center_of(path, tensors, name, cfg, fp, file_spec)
         if not p.static:
-            continue  # a dynamic or plain-cast part takes nothing from the file
+            continue  # a dynamic or plain-cast part takes no scales from the file
         if p != fp:
             raise CalibrationError(f"{path} holds scales for {name}={fp}, not {name}={p} "
                                    f"(it is for '{file_spec}')")
@@ -265,6 +287,20 @@ def load_scales(path: str | Path, cfg: Config, spec: KVSpec) -> dict[str, torch.
                                        f"(want {shape}) or invalid")
             out[f"{name}_{kind}"] = x.float()
     return out
+
+
+def _center_of(path: str | Path, tensors: dict[str, torch.Tensor], name: str, cfg: Config,
+               fp: QuantParams, file_spec: KVSpec) -> torch.Tensor:
+    """The file's means (L, H, D) for a centered part, checked."""
+    if not fp.center:
+        raise CalibrationError(f"{path} holds no means for {name} (it is for '{file_spec}'; "
+                               f"calibrate a spec whose {name} part has :center)")
+    x = tensors.get(f"{name}_center")
+    shape = (cfg.n_layers, cfg.n_kv_heads, cfg.head_dim)
+    if x is None or tuple(x.shape) != shape or not bool(x.isfinite().all()):
+        raise CalibrationError(f"{path}: tensor {name}_center is missing, misshapen (want "
+                               f"{shape}) or invalid")
+    return x.float()
 
 
 def export_vllm(scales: dict[str, torch.Tensor], spec: KVSpec, path: str | Path) -> dict:
@@ -322,9 +358,7 @@ def calibrate_to_file(model: Transformer, tokens: list[int], spec: KVSpec, out: 
     """Calibrate spec's static parts on tokens and save the scale file (and the vLLM export, the
     channel plot when asked); returns the number of tokens observed."""
     check_request(spec, observer, vllm=bool(vllm_out))
-    rec = record(model, tokens, window, progress=progress, rotations=spec_rotations(model, spec))
-    k, v = rec.stacked("k"), rec.stacked("v")  # (L, H, T, D) each
-    scales = static_scales(k, v, spec, observer)
+    scales, k, v = calibrated(model, tokens, spec, observer, window, progress)
     save_scales(out, scales, model.cfg, spec, observer, len(tokens))
     if vllm_out:
         export_vllm(scales, spec, vllm_out)

@@ -36,9 +36,17 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from .cache import PagedKVCache
-from .calibrate import pyplot, record, spec_rotations
+from .calibrate import as_cached, pyplot, record
 from .model import Transformer
-from .quant import KVSpec, QuantParams, compute_scales, dequantize, quantize
+from .quant import (
+    KVSpec,
+    QuantParams,
+    Transform,
+    compute_scales,
+    dequantize,
+    layer_transforms,
+    quantize,
+)
 
 SAMPLE_TEXT = Path(__file__).resolve().parent / "data" / "sample.txt"  # shipped, our own prose
 
@@ -183,9 +191,11 @@ def attention_error(model: Transformer, tokens: list[int], spec: KVSpec, block_s
                     ) -> list[dict[str, float]]:
     """Per layer: kl_k, cos_k, cos_v, cos_kv over the first window `tokens` (see the module
     docstring)."""
-    rotations = spec_rotations(model, spec)  # errors are measured where the cache stores: rotated
-    rec = record(model, tokens, window=len(tokens), keep_q=True, rotations=rotations)
-    Q, K, V = (rec.stacked(w) for w in "qkv")  # (L, heads, T, D)
+    rec = record(model, tokens, window=len(tokens), keep_q=True)
+    # Errors are measured on what the cache stores (rotated, centered: quant.Transform), and on
+    # outputs turned back into the model's space.
+    transforms = layer_transforms(spec, model.cfg.n_layers, model.cfg.head_dim, static_scales)
+    Q, K, V = (as_cached(rec.stacked(w), w, transforms) for w in "qkv")  # (L, heads, T, D)
     skipped = spec.skipped(model.cfg.n_layers)
     T, n_rep = K.shape[2], Q.shape[1] // K.shape[1]
     exact = _exact_mask(T, spec, block_size)[None, :, None]  # (1, T, 1)
@@ -206,7 +216,9 @@ def attention_error(model: Transformer, tokens: list[int], spec: KVSpec, block_s
         y = as_stored(x, p, block_size, scale, zero)
         return torch.where(exact, x, y).repeat_interleave(n_rep, 0)
 
-    def one_minus_cos(a: torch.Tensor, b: torch.Tensor) -> float:
+    def one_minus_cos(a: torch.Tensor, b: torch.Tensor, t: Transform) -> float:
+        """Outputs (Hq, T, D) over stored values compared as the layer outputs them."""
+        a, b = t.output(a.transpose(0, 1)), t.output(b.transpose(0, 1))  # (T, Hq, D)
         return (1 - F.cosine_similarity(a, b, dim=-1)).mean().item()
 
     def log_probs(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -224,11 +236,11 @@ def attention_error(model: Transformer, tokens: list[int], spec: KVSpec, block_s
         probs, probs_st = logp.exp(), logp_st.exp()
         # (Hq, T); masked out where 0 * (-inf - -inf) is NaN
         kl = (probs * (logp - logp_st)).masked_fill(~causal, 0.0).sum(-1)
-        o = probs @ v
+        o, t = probs @ v, transforms[layer]
         out.append({"layer": layer, "kl_k": kl.mean().item(),
-                    "cos_k": one_minus_cos(probs_st @ v, o),
-                    "cos_v": one_minus_cos(probs @ v_st, o),
-                    "cos_kv": one_minus_cos(probs_st @ v_st, o)})
+                    "cos_k": one_minus_cos(probs_st @ v, o, t),
+                    "cos_v": one_minus_cos(probs @ v_st, o, t),
+                    "cos_kv": one_minus_cos(probs_st @ v_st, o, t)})
     return out
 
 

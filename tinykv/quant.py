@@ -1,5 +1,5 @@
 """KV-cache quantization for tinykv: scales, quantize and dequantize, int4/int2 packing, fp8
-(e4m3) and the `:rot` rotations, all of it in this single file (the spec string is spec.py).
+(e4m3) and the `:rot` / `:center` transforms, all in this file (the spec string is spec.py).
 
 Every tensor is shaped (..., H, T, D): heads, tokens, channels last. Scales and zero points
 are shaped (..., H|1, T|1, G) where channel c belongs to group c // (D // G), so one formula
@@ -10,6 +10,7 @@ tensor; the constant `offset` takes its place (sym int4/int2 codes are stored un
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -43,19 +44,77 @@ def rotation_matrix(head_dim: int, seed: int) -> torch.Tensor:
     return (q * torch.sign(torch.diagonal(r))).float()  # signs fixed: a unique, seeded Q
 
 
-def layer_rotations(spec: KVSpec, n_layers: int, head_dim: int
-                    ) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
-    """(R_k, R_v) per layer for a spec's `:rot` parts (None where a part has none, and for skipped
-    layers); seeded by layer, so a cache and its calibration agree."""
+@dataclass
+class Transform:
+    """How one layer's keys, queries and values enter the cache and its attention output leaves,
+    outside the kernels (so every kernel serves it unchanged); a field is None where the spec
+    asks for nothing.
+
+    Centering (`:center`) subtracts a calibrated per-channel mean from keys and values before
+    they are stored. Scores move by q . mu_k, the same for every key of a query, and softmax
+    ignores a shift common to a row, so attention is unchanged; the output comes back with mu_v
+    added, since probabilities sum to 1. On this model the key mean holds half of the keys'
+    energy (a bias per channel, not a spread), so without it a per-token scale spends most of
+    its range on the mean. Rotation (`:rot`) turns centered keys and the queries by one
+    orthogonal R_k (q R . k R = q . k), and values by R_v, turned back in the output."""
+
+    rk: torch.Tensor | None = None  # (D, D)
+    rv: torch.Tensor | None = None  # (D, D)
+    mk: torch.Tensor | None = None  # (H, D): subtracted from keys
+    mv: torch.Tensor | None = None  # (H, D): subtracted from values, added to the output
+
+    def queries(self, q: torch.Tensor) -> torch.Tensor:
+        return q if self.rk is None else q @ self.rk  # (..., Hq, D)
+
+    def keys(self, k: torch.Tensor) -> torch.Tensor:
+        """k (N, H, D) as the cache stores it."""
+        if self.mk is not None:
+            k = k - self.mk
+        return k if self.rk is None else k @ self.rk
+
+    def values(self, v: torch.Tensor) -> torch.Tensor:
+        """v (N, H, D) as the cache stores it."""
+        if self.mv is not None:
+            v = v - self.mv
+        return v if self.rv is None else v @ self.rv
+
+    def output(self, o: torch.Tensor) -> torch.Tensor:
+        """o (N, Hq, D) over stored values -> the attention output over the model's values."""
+        if self.rv is not None:
+            o = o @ self.rv.T  # sum p (v R) = (sum p v) R
+        if self.mv is not None:
+            o = o + self.mv.repeat_interleave(o.shape[-2] // self.mv.shape[0], 0)  # (Hq, D)
+        return o
+
+    def to(self, device: torch.device | str, dtype: torch.dtype) -> Transform:
+        moved = [None if t is None else t.to(device, dtype) for t in
+                 (self.rk, self.rv, self.mk, self.mv)]
+        return Transform(*moved)
+
+
+def layer_transforms(spec: KVSpec, n_layers: int, head_dim: int,
+                     centers: dict[str, torch.Tensor] | None = None) -> list[Transform]:
+    """One Transform per layer for a spec's `:rot` and `:center` parts (nothing for skipped
+    layers). Rotations are seeded by layer, so a cache and its calibration agree; the means are
+    centers["k_center"] / ["v_center"] (L, H, D), from the scale file."""
     skipped = spec.skipped(n_layers)
+    for name, p in (("k", spec.k), ("v", spec.v)):
+        if p.center and (centers is None or f"{name}_center" not in centers):
+            raise SpecError(f"KV spec '{spec}' centers {name}: its means come from a "
+                            "calibration file (tinykv calibrate)")
     out = []
     for layer in range(n_layers):
-        rk = rv = None
-        if layer not in skipped and spec.k.rot:
-            rk = rotation_matrix(head_dim, 2 * layer)
-        if layer not in skipped and spec.v.rot:
-            rv = rotation_matrix(head_dim, 2 * layer + 1)
-        out.append((rk, rv))
+        t = Transform()
+        if layer not in skipped:
+            if spec.k.rot:
+                t.rk = rotation_matrix(head_dim, 2 * layer)
+            if spec.v.rot:
+                t.rv = rotation_matrix(head_dim, 2 * layer + 1)
+            if spec.k.center:
+                t.mk = centers["k_center"][layer]
+            if spec.v.center:
+                t.mv = centers["v_center"][layer]
+        out.append(t)
     return out
 
 

@@ -3,7 +3,7 @@
 bad part of a malformed one. The grammar is in DESIGN.md and the README.
 
 SPEC  := PART ("," PART)* ("," OPTION)*
-PART  := ["k=" | "v="] DTYPE [":" GRAN] [":" sym|asym] [":" static|dynamic] [":rot"]
+PART  := ["k=" | "v="] DTYPE [":" GRAN] [":" sym|asym] [":" static|dynamic] [":rot"] [":center"]
 OPTION:= residual=N | sink=N | skip=L[:L...] | evict=POLICY:N
 """
 
@@ -35,14 +35,14 @@ def _default_gran(dtype: str) -> str:
     return "tensor"
 
 
-def _problem(dtype: str, gran: str, group: int, sym: bool, static: bool, rot: bool) -> str | None:
+def _problem(dtype: str, gran: str, group: int, sym: bool, static: bool) -> str | None:
     """Why these fields are no valid format, or None; shared by parse and the constructor."""
     if dtype not in DTYPES:
         return f"unknown dtype {dtype!r} (expected one of {', '.join(DTYPES)})"
     if gran not in GRANS + ("group",) or (gran == "group") != (group > 0):
         return f"bad granularity {gran!r} (expected {'|'.join(GRANS)}|gN with N > 0)"
     if dtype in _FLOAT and (gran, sym, static) != ("tensor", True, False):
-        return f"{dtype} is stored by plain cast and takes no options but rot"
+        return f"{dtype} is stored by plain cast and takes no options but rot and center"
     if dtype == "fp8" and not sym:
         return "fp8 supports sym only"
     if static and gran in ("token", "group"):
@@ -58,15 +58,16 @@ def _option_key(opt: str) -> str | None:
         return "sym"
     if opt in ("static", "dynamic"):
         return "static"
-    if opt == "rot":
-        return "rot"
+    if opt in ("rot", "center"):
+        return opt
     return None
 
 
 @dataclass(frozen=True)
 class QuantParams:
     """How one of K or V is stored. Float dtypes are a plain cast (gran "tensor", sym, dynamic).
-    `rot`: a seeded orthogonal rotation per KV head before quantizing (rotation_matrix)."""
+    `rot`: a seeded orthogonal rotation per KV head before quantizing (rotation_matrix).
+    `center`: a calibrated per-channel mean subtracted before storing (quant.Transform)."""
 
     dtype: str
     gran: str = ""  # tensor | head | channel | token | group; "" = the dtype's default
@@ -74,44 +75,44 @@ class QuantParams:
     sym: bool = True
     static: bool = False
     rot: bool = False
+    center: bool = False
 
     def __post_init__(self) -> None:
         if not self.gran:
             object.__setattr__(self, "gran", _default_gran(self.dtype))
         # Every instance is valid and canonical, so str() always round-trips through parse().
-        why = _problem(self.dtype, self.gran, self.group, self.sym, self.static, self.rot)
+        why = _problem(self.dtype, self.gran, self.group, self.sym, self.static)
         if why:
             raise _fail(str(self), why)
 
     @classmethod
     def parse(cls, part: str, spec: str | None = None) -> QuantParams:
-        """Parse 'DTYPE[:GRAN][:sym|asym][:static|dynamic][:rot]' (no k=/v= prefix)."""
+        """Parse 'DTYPE[:GRAN][:sym|asym][:static|dynamic][:rot][:center]' (no k=/v= prefix)."""
         spec = part if spec is None else spec
         dtype, *opts = (t.strip() for t in part.split(":"))
-        if dtype in _FLOAT and opts not in ([], ["rot"]):
-            raise _fail(spec, f"{dtype} is stored by plain cast and takes no options but rot",
-                        part)
+        if dtype in _FLOAT and not set(opts) <= {"rot", "center"}:
+            raise _fail(spec, f"{dtype} is stored by plain cast and takes no options but rot "
+                        "and center", part)
         kw: dict = {}
         for o in opts:
             key = _option_key(o)
             if key is None:
                 raise _fail(spec, f"unknown option {o!r} (expected {'|'.join(GRANS)}|gN, "
-                            "sym|asym, static|dynamic or rot)", part)
+                            "sym|asym, static|dynamic, rot or center)", part)
             if key in kw:
                 raise _fail(spec, f"{key} given twice", part)
-            kw[key] = o if key == "gran" else o in ("sym", "static", "rot")
+            kw[key] = o if key == "gran" else o in ("sym", "static", "rot", "center")
         gran, group = kw.get("gran", _default_gran(dtype)), 0
         if gran not in GRANS:  # gN
             digits = gran[1:]
             if not (digits.isascii() and digits.isdigit() and int(digits) > 0):
                 raise _fail(spec, f"bad group size {gran!r} (expected gN with N > 0)", part)
             gran, group = "group", int(digits)
-        fields = (dtype, gran, group, kw.get("sym", True), kw.get("static", False),
-                  kw.get("rot", False))
+        fields = (dtype, gran, group, kw.get("sym", True), kw.get("static", False))
         why = _problem(*fields)
         if why:
             raise _fail(spec, why, part)
-        return cls(*fields)
+        return cls(*fields, kw.get("rot", False), kw.get("center", False))
 
     def __str__(self) -> str:
         out = self.dtype
@@ -125,6 +126,8 @@ class QuantParams:
             out += ":static"
         if self.rot:
             out += ":rot"
+        if self.center:
+            out += ":center"
         return out
 
     def check(self, head_dim: int) -> None:
@@ -266,8 +269,9 @@ class KVSpec:
 
     @property
     def needs_scales(self) -> bool:
-        """Static parts take their scales from a calibration file."""
-        return self.k.static or self.v.static
+        """Static parts take their scales, centered parts their means, from a calibration
+        file."""
+        return self.k.static or self.v.static or self.k.center or self.v.center
 
     @property
     def is_float(self) -> bool:

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 # threads of one pool starve the other's (measured: 2-thread kernel calls 4-18x slower).
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 
-from .inputs import TERMINATED, Terminated, check_early  # noqa: E402
+from .inputs import INTERRUPTED, TERMINATED, Terminated, check_early  # noqa: E402
 from .parser import ArgError, build_parser, resolve_specs  # noqa: E402
 
 
@@ -34,22 +34,46 @@ def is_out_of_memory(message: str) -> bool:
 
 
 def raise_terminated(signum: int, frame: object) -> None:
-    TERMINATED.set()  # a raise that lands in a finalizer is lost: the generate loop checks this
+    # A raise that lands in a finalizer or a C callback (numba compiling through llvmlite) is
+    # lost: the generate loop checks these events between tokens.
+    TERMINATED.set()
     raise Terminated
+
+
+def raise_interrupted(signum: int, frame: object) -> None:
+    INTERRUPTED.set()
+    raise KeyboardInterrupt
+
+
+def quiet_unraisable(unraisable) -> None:
+    """sys.unraisablehook: a signal's raise that Python could not deliver is raised again
+    between tokens (the events above), so its traceback is noise; anything else is printed."""
+    if issubclass(unraisable.exc_type, (KeyboardInterrupt, Terminated)):
+        return
+    sys.__unraisablehook__(unraisable)
 
 
 @contextmanager
 def termination_raised() -> Iterator[None]:
-    """SIGTERM raises Terminated while the block runs (where nobody else handles it)."""
+    """SIGTERM raises Terminated, and Ctrl-C KeyboardInterrupt, while the block runs (where
+    nobody else handles them), and both leave an event that outlives a swallowed raise."""
     mine = threading.current_thread() is threading.main_thread()
-    if not mine or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
-        yield
-        return
-    signal.signal(signal.SIGTERM, raise_terminated)
+    term = mine and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    intr = mine and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    if term:
+        signal.signal(signal.SIGTERM, raise_terminated)
+    if intr:
+        signal.signal(signal.SIGINT, raise_interrupted)
+    hook = sys.unraisablehook
+    sys.unraisablehook = quiet_unraisable
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        sys.unraisablehook = hook
+        if term:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if intr:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @contextmanager

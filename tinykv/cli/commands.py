@@ -21,7 +21,7 @@ from ..model import Config, ModelError, Transformer
 from ..offload import OffloadConfig
 from ..quant import KVSpec
 from ..tokenizer import StreamDecoder, Tokenizer
-from .inputs import TERMINATED, Terminated, UsageError, read_prompts, read_text
+from .inputs import INTERRUPTED, TERMINATED, Terminated, UsageError, read_prompts, read_text
 from .parser import DEFAULT_MAX_BATCH, DEFAULT_WINDOW
 
 
@@ -60,9 +60,11 @@ def check_cache_args(args, specs: list[KVSpec] | None = None) -> None:
     specs = specs or [args.kv]
     for spec in specs:
         if spec.needs_scales and not args.kv_scales:
-            raise UsageError(f"KV spec '{spec}' has static scales: pass --kv-scales FILE")
+            raise UsageError(f"KV spec '{spec}' has static scales or centers: pass "
+                             "--kv-scales FILE")
     if args.kv_scales and not any(s.needs_scales for s in specs):
-        raise UsageError(f"--kv-scales given but KV spec '{specs[0]}' has no static part")
+        raise UsageError(f"--kv-scales given but KV spec '{specs[0]}' has no static or "
+                         "centered part")
 
 
 def load_model(args) -> tuple[Transformer, Path]:
@@ -223,8 +225,10 @@ def cmd_generate(args) -> None:
         stream = len(rids) == 1 and args.n == 1 and not args.json
         dec = StreamDecoder(tok, skip_special_tokens=True)
         for step, (_, t) in enumerate(eng.run()):
-            if TERMINATED.is_set():  # SIGTERM's raise was swallowed (it landed in a finalizer)
+            if TERMINATED.is_set():  # SIGTERM's raise was swallowed (cli.raise_terminated)
                 raise Terminated
+            if INTERRUPTED.is_set():  # and so was Ctrl-C's
+                raise KeyboardInterrupt
             if step == 0:  # a prompt is in the cache: say now, not after the output, if it broke
                 w = numerics_warning(eng)
                 if w:

@@ -17,6 +17,7 @@ class Terminated(BaseException):
 
 
 TERMINATED = threading.Event()  # SIGTERM arrived (the process's signal state, not the library's)
+INTERRUPTED = threading.Event()  # Ctrl-C arrived (its raise too can land where it is lost)
 
 class UsageError(ValueError):
     """Flags that do not fit together, found before the model loads."""
