@@ -76,6 +76,17 @@ def test_cache_holds_the_budget_and_frees_blocks(policy, fmt):
     assert cache.blocks_free == cache.num_blocks
 
 
+@pytest.mark.parametrize("policy", POLICIES)
+def test_compacting_a_budget_larger_than_a_step(policy):
+    """A block-wise format stores the kept tokens again through full-precision blocks before it
+    quantizes them: a budget of many steps' tokens must still compact within the pool."""
+    spec = f"k=int4:channel:asym,v=int4:g16:asym,residual=8,sink=4,evict={policy}:120"
+    cache = make_cache(CFG, spec, tokens=300, block_size=8, max_seqs=1, max_step_tokens=16)
+    fill(cache, 0, 300, chunk=16)
+    cache.compact(0)
+    assert cache.slots(0) == 120 and cache.length(0) == 300
+
+
 def test_attention_over_kept_tokens_is_attention_restricted_to_them():
     """fp32 storage: after compaction each head attends over exactly its kept keys (float64)."""
     spec = KVSpec.parse("fp32,sink=2,evict=knorm:24")

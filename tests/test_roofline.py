@@ -132,3 +132,14 @@ def test_cli(tiny, tmp_path, monkeypatch, capsys):
     assert res["config"]["specs"] == ["int8"] and res["config"]["transformers"] is False
     assert {r["engine"] for r in res["runs"][0]["decode"]} == {"tinykv"}
     assert "| tinykv `int8`" in capsys.readouterr().out
+
+
+def test_evicting_specs_are_timed_against_the_full_cache():
+    rows = [{"engine": "tinykv", "kv": kv, "batch": 1, "context": 8000, "tok_s": t}
+            for kv, t in [("int8", 10.0), ("int8,sink=4,evict=streaming:1024", 30.0),
+                          ("fp16,evict=knorm:64", 5.0)]]
+    (row,) = rl.ratios(rows)
+    assert row["int8,sink=4,evict=streaming:1024 / int8"] == 3.0
+    assert not any(k.startswith("fp16,evict") for k in row)  # its full cache was not timed
+    assert rl.unevicted("int4:rot,residual=64,sink=4,evict=h2o:99") == "int4:rot,residual=64"
+    assert rl.unevicted("int8") is None

@@ -210,12 +210,16 @@ class KVPools:
 # ---- sizing: what a pool of a spec costs, and whether the machine holds it ---------------------
 def hot_blocks(spec: KVSpec, block_size: int, max_seqs: int, max_step_tokens: int) -> int:
     """Full-precision blocks a cache keeps: each sequence's sinks, residual window and tail, plus
-    the blocks one step may fill before `commit` quantizes them."""
+    the blocks one step may fill before `commit` quantizes them, or, when larger, the blocks an
+    eviction's compaction fills (it stores a whole budget again before quantizing it)."""
     uses_hot = spec.k.block_wise or spec.v.block_wise or spec.sink or spec.residual
     if not uses_hot:
         return 0
     per_seq = math.ceil(spec.sink / block_size) + math.ceil(spec.residual / block_size) + 2
-    return per_seq * max_seqs + max_step_tokens // block_size
+    step = max_step_tokens // block_size
+    if spec.evict:
+        step = max(step, math.ceil(spec.budget / block_size) + 1)
+    return per_seq * max_seqs + step
 
 
 def block_bytes(cfg: Config, spec: KVSpec, block_size: int,

@@ -12,6 +12,7 @@ depend on what the cached values are, and a 32k-token prefill takes minutes per 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import inspect
 import json
@@ -27,6 +28,7 @@ import torch
 
 from ..cache import PagedKVCache, make_cache
 from ..model import Config, Transformer
+from ..spec import KVSpec
 from .e2e import DEFAULT_SPECS, HF_QUANT, KIVI, machine_info
 
 MODES = {
@@ -249,8 +251,21 @@ def ratios(rows: list[dict]) -> list[dict]:
         for name, num, den in RATIOS:
             if num in speed and den in speed:
                 row[name] = speed[num] / speed[den]
+        for (engine, kv), tok_s in speed.items():
+            base = unevicted(kv) if engine == "tinykv" else None
+            if base is not None and ("tinykv", base) in speed:
+                row[f"{kv} / {base}"] = tok_s / speed[("tinykv", base)]
         out.append(row)
     return out
+
+
+def unevicted(kv: str) -> str | None:
+    """The spec an evicting spec is timed against: itself without evict= and its sinks (which
+    only eviction needs); None for a spec that does not evict."""
+    spec = KVSpec.parse(kv)
+    if not spec.evict:
+        return None
+    return str(dataclasses.replace(spec, evict="", budget=0, sink=0))
 
 
 def collect(model: Transformer, hf, mode: dict, specs: list[str], threads: list[int],
@@ -322,6 +337,8 @@ def render(results: dict) -> str:
         out += [""] + _md(["engine / KV", "batch x ctx", "KV MB/step", "step ms", "tok/s",
                            "% roofline"], dec)
         names = [name for name, _, _ in RATIOS]
+        names += [k for k in dict.fromkeys(k for r in run["ratios"] for k in r)
+                  if k not in names and k not in ("batch", "context")]
         rat = []
         for r in run["ratios"]:
             cells = [f"{r[k]:.2f}x" if k in r else "-" for k in names]
@@ -370,9 +387,12 @@ def chart(results: dict, path: Path) -> str | None:
 def run(model: Transformer, weights: Path | None, quick: bool = False,
         threads: list[int] | None = None, specs: list[str] | None = None,
         transformers: bool = True, out: str | Path = "bench/roofline-new.json",
-        command: str = "python -m tinykv bench roofline") -> dict:
+        command: str = "python -m tinykv bench roofline",
+        shapes: list[tuple[int, int]] | None = None) -> dict:
     """The whole roofline benchmark on `model` (on the CPU, float32; transformers loads the same
-    `weights`); writes the JSON and the chart beside it, prints the tables, restores threads."""
+    `weights`); writes the JSON and the chart beside it, prints the tables, restores threads.
+    `shapes` (batch, context) replace the mode's decode shapes, and their contexts its attention
+    contexts."""
     w = next(model.parameters())
     if w.device.type != "cpu" or w.dtype != torch.float32:
         raise ValueError("bench roofline measures the CPU: load the model with --device cpu "
@@ -386,8 +406,11 @@ def run(model: Transformer, weights: Path | None, quick: bool = False,
     before = torch.get_num_threads()
     res = {"command": command, "machine": machine_info(torch.device("cpu")),
            "weights": str(weights), "mode": "quick" if quick else "full"}
+    mode = dict(MODES[res["mode"]])
+    if shapes:
+        mode.update(shapes=list(shapes), contexts=sorted({c for _, c in shapes}))
     try:
-        res.update(collect(model, hf, MODES[res["mode"]], specs or list(DEFAULT_SPECS),
+        res.update(collect(model, hf, mode, specs or list(DEFAULT_SPECS),
                            threads or [1, 2], _progress))
     finally:
         set_threads(before)

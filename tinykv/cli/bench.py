@@ -60,7 +60,8 @@ def cmd_bench_roofline(args) -> None:
     specs = [str(s) for s in args.kv] if args.kv else None
     command = " ".join(["python -m tinykv bench", *map(shlex.quote, sys.argv[2:])])
     roofline.run(model, path, quick=args.quick, threads=args.thread_counts, specs=specs,
-                 transformers=not args.no_transformers, out=args.out, command=command)
+                 transformers=not args.no_transformers, out=args.out, command=command,
+                 shapes=args.shapes)
 
 
 def cmd_bench_quality(args) -> None:

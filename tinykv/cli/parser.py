@@ -366,12 +366,23 @@ def add_bench_parsers(sub: argparse._SubParsersAction) -> None:
                    nargs="+", default=sorted({1, min(2, usable_cores())}), metavar="N",
                    help="torch (and numba) thread counts, each measured in turn")
     r.add_argument("--kv", type=kv_spec, nargs="+", metavar="SPEC",
-                   help="tinykv KV specs (default: fp16 int8 int4 KIVI-style)")
+                   help="tinykv KV specs (default: fp16 int8 int4 KIVI-style); an evicting "
+                        "spec is also timed against itself without evict= and sink=")
+    r.add_argument("--shapes", type=batch_context, nargs="+", metavar="BxC",
+                   help="decode shapes, batch x context, e.g. 1x8185 (default: the mode's)")
     r.add_argument("--out", default="bench/roofline-new.json", metavar="JSON",
                    help="results JSON; the chart goes beside it")
     r.add_argument("--weights", metavar="DIR", help="model folder (default: SmolLM2-135M)")
     r.add_argument("--no-transformers", action="store_true", help="tinykv only")
     add_quality_parser(bsub)
+
+
+def batch_context(text: str) -> tuple[int, int]:
+    """'BxC' -> (batch, context), both positive."""
+    b, _, c = text.lower().partition("x")
+    if not (b.isdigit() and c.isdigit() and int(b) > 0 and int(c) > 0):
+        raise argparse.ArgumentTypeError(f"expected BATCHxCONTEXT, e.g. 1x8185, not {text!r}")
+    return int(b), int(c)
 
 
 def add_quality_parser(bsub: argparse._SubParsersAction) -> None:
