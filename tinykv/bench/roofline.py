@@ -388,11 +388,11 @@ def run(model: Transformer, weights: Path | None, quick: bool = False,
         threads: list[int] | None = None, specs: list[str] | None = None,
         transformers: bool = True, out: str | Path = "bench/roofline-new.json",
         command: str = "python -m tinykv bench roofline",
-        shapes: list[tuple[int, int]] | None = None) -> dict:
+        shapes: list[tuple[int, int]] | None = None, steps: int | None = None) -> dict:
     """The whole roofline benchmark on `model` (on the CPU, float32; transformers loads the same
     `weights`); writes the JSON and the chart beside it, prints the tables, restores threads.
     `shapes` (batch, context) replace the mode's decode shapes, and their contexts its attention
-    contexts."""
+    contexts; `steps` its timed decode steps."""
     w = next(model.parameters())
     if w.device.type != "cpu" or w.dtype != torch.float32:
         raise ValueError("bench roofline measures the CPU: load the model with --device cpu "
@@ -409,6 +409,8 @@ def run(model: Transformer, weights: Path | None, quick: bool = False,
     mode = dict(MODES[res["mode"]])
     if shapes:
         mode.update(shapes=list(shapes), contexts=sorted({c for _, c in shapes}))
+    if steps:
+        mode["steps"] = steps
     try:
         res.update(collect(model, hf, mode, specs or list(DEFAULT_SPECS),
                            threads or [1, 2], _progress))

@@ -61,7 +61,7 @@ def cmd_bench_roofline(args) -> None:
     command = " ".join(["python -m tinykv bench", *map(shlex.quote, sys.argv[2:])])
     roofline.run(model, path, quick=args.quick, threads=args.thread_counts, specs=specs,
                  transformers=not args.no_transformers, out=args.out, command=command,
-                 shapes=args.shapes)
+                 shapes=args.shapes, steps=args.steps)
 
 
 def cmd_bench_quality(args) -> None:

@@ -370,6 +370,9 @@ def add_bench_parsers(sub: argparse._SubParsersAction) -> None:
                         "spec is also timed against itself without evict= and sink=")
     r.add_argument("--shapes", type=batch_context, nargs="+", metavar="BxC",
                    help="decode shapes, batch x context, e.g. 1x8185 (default: the mode's)")
+    r.add_argument("--steps", type=POSITIVE, metavar="N",
+                   help="timed decode steps per shape (default: 5, quick: 2); an evicting "
+                        "spec compacts once per block of steps, so >= the block size times it")
     r.add_argument("--out", default="bench/roofline-new.json", metavar="JSON",
                    help="results JSON; the chart goes beside it")
     r.add_argument("--weights", metavar="DIR", help="model folder (default: SmolLM2-135M)")
