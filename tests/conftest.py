@@ -45,3 +45,14 @@ def smollm2_gguf(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
 def smollm2_goldens() -> dict:
     """tests/goldens/smollm2.json, made by tests/make_goldens.py with transformers on the GGUF."""
     return json.loads(GOLDENS.read_text(encoding="utf-8"))
+
+
+@pytest.fixture(scope="session")
+def small_model():
+    """A random two-layer model over SmolLM2's vocabulary: fast, and it never knows a passkey."""
+    from tinykv.model import Config, Transformer
+
+    torch.manual_seed(0)
+    cfg = Config(vocab_size=49152, dim=64, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=128,
+                 max_seq_len=512)
+    return Transformer(cfg).eval()

@@ -3,24 +3,14 @@ budget, perplexity and passkey counts are the ones eval reports, and the JSON an
 
 import json
 
-import pytest
 import torch
 
 from tinykv.bench import quality
 from tinykv.cache import make_cache
 from tinykv.evaluate import perplexity
-from tinykv.model import Config, Transformer
 from tinykv.passkey import run_passkey
 from tinykv.spec import KVSpec
 from tinykv.tokenizer import Tokenizer
-
-
-@pytest.fixture(scope="module")
-def small_model() -> Transformer:
-    torch.manual_seed(0)
-    cfg = Config(vocab_size=49152, dim=64, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=128,
-                 max_seq_len=512)
-    return Transformer(cfg).eval()
 
 
 def test_rows_match_eval_and_layout(small_model, smollm2_dir, tmp_path):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tinykv import passkey as pk
-from tinykv.model import Config, Transformer
+from tinykv.model import Transformer
 from tinykv.tokenizer import Tokenizer
 
 CAT = "The cat sat on the mat."  # every sentence alike: the needle's depth is a count of cats
@@ -17,15 +17,6 @@ CAT = "The cat sat on the mat."  # every sentence alike: the needle's depth is a
 @pytest.fixture(scope="module")
 def tok(smollm2_dir) -> Tokenizer:
     return Tokenizer.from_dir(smollm2_dir)
-
-
-@pytest.fixture(scope="module")
-def small_model() -> Transformer:
-    """A random two-layer model over SmolLM2's vocabulary: fast, and it never knows the key."""
-    torch.manual_seed(0)
-    cfg = Config(vocab_size=49152, dim=64, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=128,
-                 max_seq_len=512)
-    return Transformer(cfg).eval()
 
 
 @pytest.mark.parametrize("length", [300, 1000, 4000])

@@ -196,6 +196,15 @@ def add_text_args(ap: argparse.ArgumentParser, max_tokens: int | None) -> None:
                          "model's context if it is shorter)")
 
 
+def add_passkey_args(ap: argparse.ArgumentParser, lengths: str) -> None:
+    ap.add_argument("--lengths", type=int_list, default=lengths, metavar="N,N",
+                    help="passkey prompt lengths")
+    ap.add_argument("--depths", type=int_range(1, 100), default=5, metavar="N",
+                    help="passkey depths")
+    ap.add_argument("--trials", type=POSITIVE, default=1, metavar="N",
+                    help="passkey trials per cell")
+
+
 DEFAULT_WINDOW = 1024
 # The engine plans every running sequence in Python each step, which grows faster than the batch:
 # 4096 samples of a short prompt take seconds of planning, 16000 twenty.
@@ -301,12 +310,7 @@ def build_parser(generate_prog: str | None = None) -> Parser:
     e.add_argument("--plot", metavar="PNG", help="ppl against bytes/token, or passkey heatmap")
     e.add_argument("--plot-specs", type=kv_spec, nargs="+", metavar="SPEC",
                    help="more specs for the --plot chart")
-    e.add_argument("--lengths", type=int_list, default="1024,4096", metavar="N,N",
-                   help="passkey prompt lengths")
-    e.add_argument("--depths", type=int_range(1, 100), default=5, metavar="N",
-                   help="passkey depths")
-    e.add_argument("--trials", type=POSITIVE, default=1, metavar="N",
-                   help="passkey trials per cell")
+    add_passkey_args(e, "1024,4096")
     e.add_argument("--seed", type=NON_NEGATIVE, default=0, metavar="S", help="passkey seed")
     add_cache_args(e, default_kv="fp16")
     add_text_args(e, None)
@@ -399,12 +403,7 @@ def add_quality_parser(bsub: argparse._SubParsersAction) -> None:
                    help="KV specs, one row each (the first is the baseline)")
     q.add_argument("--kv-scales", metavar="FILE", help="static scales for the static specs")
     q.add_argument("--chunk", type=POSITIVE, default=16, metavar="C", help="tokens fed per step")
-    q.add_argument("--lengths", type=int_list, default="2000", metavar="N,N",
-                   help="passkey prompt lengths")
-    q.add_argument("--depths", type=int_range(1, 100), default=5, metavar="N",
-                   help="passkey depths")
-    q.add_argument("--trials", type=POSITIVE, default=1, metavar="N",
-                   help="passkey trials per cell")
+    add_passkey_args(q, "2000")
     q.add_argument("--filler", metavar="FILE", help="passkey filler text (default: built in)")
     q.add_argument("--no-ppl", action="store_true", help="passkey only")
     q.add_argument("--no-passkey", action="store_true", help="perplexity only")
