@@ -286,9 +286,8 @@ class PagedKVCache:
             if tier in (HOST, DISK):
                 self.tables.move(tier, b, STORE)
         tables = self._tables([seq_id])
-        n_layers = range(self.cfg.n_layers)
-        k = torch.stack([self.layer_kv(layer, 0, tables) for layer in n_layers])  # (L, H, S, D)
-        v = torch.stack([self.layer_kv(layer, 1, tables) for layer in n_layers])
+        k, v = (torch.stack([self.layer_kv(layer, i, tables) for layer in range(self.cfg.n_layers)])
+                for i in (0, 1))  # (L, H, S, D) each
         return k[..., :st.slots, :], v[..., :st.slots, :]  # (L, H, slots, D)
 
     def layer_kv(self, layer: int, i: int, tables: dict[int, torch.Tensor]) -> torch.Tensor:

@@ -21,7 +21,6 @@ import hashlib
 import json
 import math
 from pathlib import Path
-from types import ModuleType
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -29,6 +28,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from .model import Config, Transformer
+from .plots import plot_channels
 from .quant import KVSpec, QuantParams, Transform, compute_scales, layer_transforms
 
 FORMAT = "tinykv-kv-scales/1"  # metadata["format"] of a scale file
@@ -319,37 +319,6 @@ def export_vllm(scales: dict[str, torch.Tensor], spec: KVSpec, path: str | Path)
     text = json.dumps({"kv_cache_scheme": scheme}, indent=2)
     Path(path).with_suffix(".kv_cache_scheme.json").write_text(text)
     return scheme
-
-
-def pyplot() -> ModuleType:
-    """matplotlib.pyplot on a file-only backend; a clear error when the optional extra is
-    missing."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise CalibrationError("--plot needs matplotlib: pip install 'tinykv[plot]'") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    return plt
-
-
-def plot_channels(k: torch.Tensor, v: torch.Tensor, path: str | Path, n_layers: int = 4) -> None:
-    """PNG of per-channel absmax of keys and values (L, H, T, D) for a few layers: key outlier
-    channels (a few channels far above the rest) are why per-channel key scales beat per-token
-    ones."""
-    plt, L = pyplot(), k.shape[0]
-    layers = sorted({round(i * (L - 1) / max(n_layers - 1, 1)) for i in range(n_layers)})
-    fig, axes = plt.subplots(2, len(layers), figsize=(4 * len(layers), 6), squeeze=False)
-    for col, layer in enumerate(layers):
-        for row, (name, x) in enumerate((("keys", k), ("values", v))):
-            amax = x[layer].abs().amax(1).flatten()  # (H * D,): channel c of head h at h * D + c
-            ax = axes[row][col]
-            ax.bar(range(amax.numel()), amax.numpy(), width=1.0)
-            ax.set(title=f"layer {layer} {name}", xlabel="head * head_dim + channel",
-                   ylabel="absmax")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 def calibrate_to_file(model: Transformer, tokens: list[int], spec: KVSpec, out: str | Path,

@@ -36,8 +36,9 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from .cache import PagedKVCache
-from .calibrate import as_cached, pyplot, record
+from .calibrate import as_cached, record
 from .model import Transformer
+from .plots import pyplot
 from .quant import (
     KVSpec,
     QuantParams,

@@ -25,9 +25,9 @@ import torch
 from tqdm import tqdm
 
 from .cache import PagedKVCache, make_cache
-from .calibrate import pyplot
 from .generate import Engine, Sampling
 from .model import Transformer
+from .plots import pyplot
 from .spec import KVSpec
 from .tokenizer import Tokenizer
 

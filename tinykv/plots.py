@@ -1,0 +1,44 @@
+"""Charts as PNG files, on matplotlib's file-only backend; matplotlib is an optional extra
+(`pip install 'tinykv[plot]'`), so a chart asked for without it is a one-line error."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+
+class PlotError(ValueError):
+    """A chart was asked for and matplotlib is missing."""
+
+
+def pyplot() -> ModuleType:
+    """matplotlib.pyplot on a file-only backend; a clear error when the optional extra is
+    missing."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise PlotError("--plot needs matplotlib: pip install 'tinykv[plot]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def plot_channels(k: torch.Tensor, v: torch.Tensor, path: str | Path, n_layers: int = 4) -> None:
+    """PNG of per-channel absmax of keys and values (L, H, T, D) for a few layers: key outlier
+    channels (a few channels far above the rest) are why per-channel key scales beat per-token
+    ones."""
+    plt, L = pyplot(), k.shape[0]
+    layers = sorted({round(i * (L - 1) / max(n_layers - 1, 1)) for i in range(n_layers)})
+    fig, axes = plt.subplots(2, len(layers), figsize=(4 * len(layers), 6), squeeze=False)
+    for col, layer in enumerate(layers):
+        for row, (name, x) in enumerate((("keys", k), ("values", v))):
+            amax = x[layer].abs().amax(1).flatten()  # (H * D,): channel c of head h at h * D + c
+            ax = axes[row][col]
+            ax.bar(range(amax.numel()), amax.numpy(), width=1.0)
+            ax.set(title=f"layer {layer} {name}", xlabel="head * head_dim + channel",
+                   ylabel="absmax")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
