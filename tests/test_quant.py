@@ -332,7 +332,8 @@ def test_spec_fuzz_only_raises_spec_error(text):
     ("k=int8,k=int4,v=fp16", "k=int4"),
     ("int8,int4", "int4"), ("int8:asym:sym", "int8:asym:sym"), ("int4:gx", "gx"),
     ("fp8:g", "fp8:g"), ("int8,sink=-1", "sink=-1"), ("int8\n,v=fp16:head", "v=fp16:head"),
-    ("int4:center:center", "center given twice"), ("fp16:center:head", "fp16:center:head"),
+    ("int8,bogus", "unknown dtype 'bogus'"), ("int4:center:center", "center given twice"),
+    ("fp16:center:head", "fp16:center:head"),
 ])
 def test_malformed_specs(spec, bad):
     with pytest.raises(SpecError) as e:

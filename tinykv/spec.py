@@ -238,10 +238,10 @@ class KVSpec:
             if opts:
                 raise _fail(s, "options must come after the parts", item)
             targets = (key,) if eq else ("k", "v")
+            qp = QuantParams.parse(val if eq else item, s)  # first: a typo is named as one
             # A bare part sets both, so it must come first; each k=/v= may then override it once.
             if (not eq and parts) or any(t + "=" in parts for t in targets):
                 raise _fail(s, f"{'/'.join(targets)} set twice", item)
-            qp = QuantParams.parse(val if eq else item, s)
             for t in targets:
                 parts[t] = qp
                 if eq:
