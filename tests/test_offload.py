@@ -137,3 +137,15 @@ def test_staged_chunks_with_lse_merge_triton():
     assert ids == want_ids
     # the merge order differs: float noise
     torch.testing.assert_close(logits, want_logits, atol=1e-3, rtol=1e-3)
+
+
+def test_disk_tier_that_fails_to_map_leaves_no_file(tmp_path, monkeypatch):
+    from tinykv import offload
+
+    def refuse(*args, **kwargs):
+        raise OSError("mmap refused")
+    monkeypatch.setattr(offload.np, "memmap", refuse)
+    like = [torch.zeros(2, 4, 8)]  # (L, blocks, bytes of a block)
+    with pytest.raises(OSError, match="mmap refused"):
+        offload.DiskTier(like, 3, tmp_path)
+    assert list(tmp_path.iterdir()) == []

@@ -93,9 +93,13 @@ class DiskTier:
             self.offsets.append(off)
             off += shape[0] * n * row
         self.size = off
-        with open(self.path, "wb") as f:
-            f.truncate(self.size)
-        self.mm = np.memmap(self.path, dtype=np.uint8, mode="r+", shape=(self.size,))
+        try:
+            with open(self.path, "wb") as f:
+                f.truncate(self.size)
+            self.mm = np.memmap(self.path, dtype=np.uint8, mode="r+", shape=(self.size,))
+        except BaseException:  # a tier that was never made leaves no file behind
+            self.path.unlink(missing_ok=True)
+            raise
         self.views = [self.mm[o:o + s[0] * n * r].reshape(s[0], n, r)
                       for o, s, r in zip(self.offsets, self.shapes, self.row)]
         self.crc: dict[tuple[int, int, int], int] = {}
