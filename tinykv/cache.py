@@ -72,7 +72,6 @@ class PagedKVCache:
                  offload: OffloadConfig | None = None):
         self.cfg, self.spec, self.bs, self.kernels = cfg, spec, block_size, kernels
         self.device, self.dtype = torch.device(device), dtype
-        # per layer: rotation and centering around the kernels (first: a bad file fails early)
         self.transforms = [t.to(self.device, dtype) for t in
                            layer_transforms(spec, cfg.n_layers, cfg.head_dim, scales)]
         self.n_hot = hot_blocks(spec, block_size, max_seqs, max_step_tokens)
@@ -286,8 +285,9 @@ class PagedKVCache:
             if tier in (HOST, DISK):
                 self.tables.move(tier, b, STORE)
         tables = self._tables([seq_id])
-        k, v = (torch.stack([self.layer_kv(layer, i, tables) for layer in range(self.cfg.n_layers)])
-                for i in (0, 1))  # (L, H, S, D) each
+        layers = range(self.cfg.n_layers)
+        k = torch.stack([self.layer_kv(layer, 0, tables) for layer in layers])  # (L, H, S, D)
+        v = torch.stack([self.layer_kv(layer, 1, tables) for layer in layers])
         return k[..., :st.slots, :], v[..., :st.slots, :]  # (L, H, slots, D)
 
     def layer_kv(self, layer: int, i: int, tables: dict[int, torch.Tensor]) -> torch.Tensor:
