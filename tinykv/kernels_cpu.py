@@ -1,5 +1,6 @@
 """Fused CPU kernels for the paged, quantized KV cache, JIT-compiled with Numba: dequant-attention
-and quantize-on-store, with the signatures of the torch references in kernels.py (read them first).
+here, quantize-on-store in kernels_cpu_store.py, their shared numerics in kernels_cpu_ops.py; the
+signatures are the torch references' in kernels.py (read them first).
 
 Attention reads each K/V block once, in its stored format, dequantizes 16 tokens at a time into an
 L1 tile with the one formula x = (code - zero) * scale (`_dq`), and lets all n_rep query heads of
@@ -18,124 +19,41 @@ horizontal sum per score, D = 64 loops of 2 vector steps), not by memory.
 from __future__ import annotations
 
 import math
-import platform
 
 import numpy as np
 import torch
 
 from .kernels import PoolLayer, merge_stacked, paged_attention_ref
-from .quant import FP8_MAX, QuantParams
+from .kernels_cpu_ops import (
+    _FM,
+    AVAILABLE,
+    BF16,
+    F16,
+    F32,
+    FP8,
+    I8,
+    REASON,
+    U4,
+    U8,
+    _c,
+    _dq,
+    _exp,
+    _fp8,
+    _half,
+    _load,
+    _pool,
+    _prefetch,
+    njit,
+    numba,
+    prange,
+)
+from .kernels_cpu_store import quantize_store_cpu  # noqa: F401  (the store, beside attention)
 
-try:
-    import numba
-    from llvmlite import binding as llvm
-    from llvmlite import ir
-    from numba import njit, prange, types
-    from numba.core import cgutils
-    from numba.extending import intrinsic
-
-    AVAILABLE, REASON = True, ""
-    # Without F16C, LLVM would turn a half-to-float cast into a runtime call numba may not link.
-    _F16C = platform.machine() not in ("x86_64", "AMD64") or \
-        "+f16c" in llvm.get_host_cpu_features().flatten()
-except ImportError as err:  # the caller falls back to the torch references
-    AVAILABLE, REASON = False, f"numba is not importable ({err}); use the torch references"
-    ir = types = numba = cgutils = None
-    _F16C = False
-    prange = range
-
-    def intrinsic(fn):
-        return fn
-
-    def njit(**_kw):
-        return intrinsic
-
-# Stored formats; F16 and BF16 double as the `kind` of half-precision scales, F32 of float32 ones.
-F32, F16, BF16, FP8, I8, U8, U4, U2 = range(8)
 TILE = 16  # tokens dequantized at a time: the K and V tiles stay in L1
 # Rows with more queries (prefill chunks) go to the reference: measured at the default model's
 # shapes, the kernel wins up to 4 queries at 1k context (8 at 4k), the reference's flash path
 # beyond (64 queries at 4k: 87 ms here, 26 ms there), as it reads the row once for all queries.
 CHUNK_MAX = 4
-_FM = {"reassoc", "contract"}  # vectorized dot products; no nnan/ninf: -inf means "no key yet"
-_C = (np.float32(2.0**112), np.float32(2.0**-9), np.float32(1.4426950408889634),
-      np.float32(0.693145751953125), np.float32(1.428606765330187e-06), np.float32(-87.0),
-      np.float32(2.0**24), np.float32(512.0))  # 2^112, 2^-9, log2 e, ln 2 = hi + lo, exp floor
-
-
-@intrinsic
-def _as_f32(typingctx, u):
-    """The float32 whose bits are the low 32 bits of integer u (numba has no scalar bitcast)."""
-    def codegen(context, builder, sig, args):
-        v, i32 = args[0], ir.IntType(32)
-        if v.type.width != 32:
-            v = builder.trunc(v, i32) if v.type.width > 32 else builder.zext(v, i32)
-        return builder.bitcast(v, ir.FloatType())
-    return types.float32(u), codegen
-
-
-@intrinsic
-def _bits(typingctx, x):
-    """The bits of float32 x, as an int64 in [0, 2^32)."""
-    def codegen(context, builder, sig, args):
-        return builder.zext(builder.bitcast(args[0], ir.IntType(32)), ir.IntType(64))
-    return types.int64(types.float32), codegen
-
-
-@intrinsic
-def _f16_hw(typingctx, b):
-    """fp16 bits -> float32 through LLVM's half type: one vcvtph2ps per 8 values with F16C."""
-    def codegen(context, builder, sig, args):
-        v = builder.trunc(args[0], ir.IntType(16)) if args[0].type.width > 16 else args[0]
-        return builder.fpext(builder.bitcast(v, ir.HalfType()), ir.FloatType())
-    return types.float32(b), codegen
-
-
-@intrinsic
-def _prefetch(typingctx, arr, i):
-    """Hint the cache line of flat element i of a C-contiguous array (llvm.prefetch, read)."""
-    def codegen(context, builder, sig, args):
-        data = context.make_array(sig.args[0])(context, builder, args[0]).data
-        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
-        fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
-        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
-        ptr = builder.bitcast(builder.gep(data, [args[1]]), i8p)
-        builder.call(fn, [ptr, i32(0), i32(3), i32(1)])  # read, keep in all levels, data cache
-        return context.get_dummy_value()
-    return types.none(arr, types.intp), codegen
-
-
-@njit(cache=True)
-def _half(b, kind):
-    """fp16 (kind F16) or bf16 (BF16) bits -> float32."""
-    if kind == BF16:
-        return _as_f32(np.uint32(b) << 16)
-    if _F16C:
-        return _f16_hw(b)
-    em = np.uint32(b) & 0x7FFF
-    x = _as_f32((em << 13) | ((np.uint32(b) & 0x8000) << 16)) * _C[0]  # rebias 15 -> 127
-    return _as_f32((em << 13) | 0x7F800000) if em >= 0x7C00 else x  # inf, nan
-
-
-@njit(cache=True)
-def _fp8(b):
-    """float8 e4m3fn bits -> float32 (0x7F / 0xFF are nan)."""
-    mag = np.uint32(b) & 0x7F
-    x = _as_f32((mag << 20) + (120 << 23)) if mag >= 8 else np.float32(mag) * _C[1]
-    x = np.float32(np.nan) if mag == 0x7F else x
-    return -x if b & 0x80 else x
-
-
-@njit(cache=True)
-def _load(a16, a32, kind, i):
-    """Element i of a scale or zero tensor, held as float32 (kind F32) or half bits."""
-    return a32[i] if kind == F32 else _half(a16[i], kind)
-
-
-@njit(cache=True)
-def _dq(code, zero, scale):
-    """THE dequant formula of every integer and fp8 format and granularity."""
-    return (code - zero) * scale
 
 
 @njit(cache=True, fastmath=_FM, inline="always")  # a call would pay refcounts per tile
@@ -195,18 +113,6 @@ def _dequant(pool, blk, h, t0, nt, out, out3, srow, zrow):
                 z = _load(z16, z32, kind, sb + t * sst + g * ssg) if has_zero else offset
                 for c in range(gs):
                     out3[t, g, c] = _dq(out3[t, g, c], z, s)
-
-
-@njit(cache=True, fastmath={"contract"})  # not reassoc: the Cody-Waite split must stay apart
-def _exp(x):
-    """e^x for float32 x <= 0, vectorizable (no libm call); x < -87 (and -inf) give ~1e-38."""
-    x = max(x, _C[5])
-    k = np.rint(x * _C[2])
-    f = x - k * _C[3] - k * _C[4]  # |f| <= ln2 / 2
-    p = np.float32(1 / 5040)
-    for c in (1 / 720, 1 / 120, 1 / 24, 1 / 6, 1 / 2, 1.0, 1.0):  # Taylor to f^7: error < 1e-8
-        p = p * f + np.float32(c)
-    return p * _as_f32((np.int64(k) + 127) << 23)
 
 
 @njit(cache=True, fastmath=_FM)
@@ -276,7 +182,6 @@ def _attend(qh, row, n_keys, lo, hi, h, kp, vp, BS, sm_scale, acc, m, l):
                         acc[r, d] += (p0 * vb[t, d] + p1 * vb[t + 1, d]
                                       + p2 * vb[t + 2, d] + p3 * vb[t + 3, d])
 
-
 @njit(parallel=True, cache=True)
 def _attn_kernel(q, q_seq, q_pos, table, ctx_lens, kp, vp, n_rep, BS, sm_scale, o, lse):
     """Work items (query n, KV head h, split sp) in parallel, each over the sp-th share of the
@@ -302,146 +207,6 @@ def _attn_kernel(q, q_seq, q_pos, table, ctx_lens, kp, vp, n_rep, BS, sm_scale, 
             lse[sp, n, h * n_rep + r] = m[r] + math.log(l[r]) if seen else -np.inf
             for d in range(D):
                 o[sp, n, h * n_rep + r, d] = acc[r, d] / l[r] if seen else 0.0
-
-
-@njit(cache=True)
-def _to_half(x, kind):
-    """float32 -> fp16 / bf16 bits, to nearest even like torch's (vectorized) CPU casts."""
-    u = _bits(x)
-    if kind == BF16:
-        return 0xFFFF if x != x else (u + 0x7FFF + ((u >> 16) & 1)) >> 16  # torch: nan -> 0xFFFF
-    sign, a = (u >> 16) & 0x8000, u & 0x7FFFFFFF
-    if a > 0x7F800000:  # nan: quiet, top payload bits kept
-        return sign | 0x7E00 | ((a >> 13) & 0x3FF)
-    if a >= 0x477FF000:  # rounds past 65504 (or inf)
-        return sign | 0x7C00
-    if a < 0x38800000:  # below 2^-14: a multiple of 2^-24, exact before the rounding
-        return sign | np.int64(np.rint(abs(x) * _C[6]))
-    return sign | ((a - 0x38000000 + 0xFFF + ((a >> 13) & 1)) >> 13)
-
-
-@njit(cache=True)
-def _to_fp8(v):
-    """float32 in [-448, 448] -> e4m3fn bits, to nearest even like torch's cast (sign of 0 kept)."""
-    u, a = _bits(v), abs(v)
-    if a < 0.015625:  # subnormal: multiples of 2^-9
-        mag = np.int64(np.rint(a * _C[7]))
-    else:
-        mag = (((u & 0x7FFFFFFF) + 0x7FFFF + ((u >> 20) & 1)) >> 20) - (120 << 3)
-    return mag | ((u >> 24) & 0x80)
-
-
-@njit(cache=True)
-def _cast_up(s, kind, tiny, big):
-    """Positive float32 -> half bits, rounded up, never down, as quant.cast_up."""
-    s = min(max(s, tiny), big)
-    c = _to_half(s, kind)
-    return c + 1 if _half(c, kind) < s else c
-
-
-@njit(cache=True)
-def _store_kernel(x, blk, off, sp, qmax, lo, hi, slack, room, tiny, big, dynamic):
-    """Quantize x (n, H, D) float32 into the pool `sp` at rows (blk[i], h, off[i]), op for op as
-    quant.compute_scales + quant.quantize; returns the count of saturated values and NaNs.
-    Serial: a decode step stores a few rows, and waking threads would cost more than the work."""
-    d8, d16, d32, s16, s32, z16, z32, meta = sp
-    n, H, D = x.shape
-    fmt, kind, has_zero, G, gs, dp = meta[0], meta[1], meta[2], meta[4], meta[5], meta[6]
-    pb = D // dp  # codes per stored byte
-    codes = np.empty(D, np.int64)
-    count = 0
-    for i in range(n):
-        for h in range(H):
-            row = blk[i] * meta[7] + h * meta[8] + off[i]
-            if fmt <= BF16:  # a plain cast; finite values that overflow to inf are counted
-                for c in range(D):
-                    if fmt == F32:
-                        d32[row, c] = x[i, h, c]
-                        continue
-                    b = _to_half(x[i, h, c], fmt)
-                    d16[row, c] = b
-                    count += abs(x[i, h, c]) < np.inf and b & 0x7FFF == (0x7C00, 0x7F80)[fmt - 1]
-                continue
-            for g in range(G):
-                xs = x[i, h, g * gs:g * gs + gs]
-                si = blk[i] * meta[9] + h * meta[10] + off[i] * meta[11] + g * meta[12]
-                if dynamic:  # quant.compute_scales for one group
-                    mn, mx, amax = np.float32(np.inf), np.float32(-np.inf), np.float32(0.0)
-                    for xv in xs:
-                        if abs(xv) < np.inf:  # NaN and Inf are ignored
-                            mn, mx, amax = min(mn, xv), max(mx, xv), max(amax, abs(xv))
-                    if not has_zero:
-                        s16[si] = _cast_up(amax / qmax, kind, tiny, big)
-                    else:
-                        if mn > mx:  # no finite value
-                            mn = mx = np.float32(0.0)
-                        s = max(mx / qmax - mn / qmax, max(mn / room, -mn / (qmax + room)))
-                        s16[si] = _cast_up(s, kind, tiny, big)
-                        zf = min(max(np.rint(-mn / _half(s16[si], kind)), -room), qmax + room)
-                        z16[si] = _to_half(zf, kind)
-                scale = _load(s16, s32, kind, si)
-                zero = _load(z16, z32, kind, si) if has_zero else np.float32(meta[3])
-                for c in range(gs):
-                    xv = xs[c]
-                    nan = xv != xv
-                    v = (np.float32(0.0) if nan else xv) / scale  # divide, not multiply: exact ties
-                    v = v if fmt == FP8 else v + zero  # fp8 keeps the sign of -0.0
-                    count += nan or v < lo - slack or v > hi + slack
-                    v = min(max(v, lo), hi)
-                    codes[g * gs + c] = _to_fp8(v) if fmt == FP8 else np.int64(np.rint(v))
-            for e in range(dp):  # element pb*e + j at bit j * (8 // pb)
-                b = 0
-                for j in range(pb):
-                    b |= (codes[e * pb + j] & 0xFF) << (j * 8 // pb)
-                d8[row, e] = b
-    return count
-
-
-_NP = {1: (torch.uint8, np.uint8), 2: (torch.int16, np.uint16), 4: (torch.float32, np.float32)}
-
-
-def _np(t: torch.Tensor) -> np.ndarray:
-    """A contiguous CPU tensor as a flat numpy array, as bits where numpy lacks the dtype."""
-    as_torch, as_np = _NP[t.element_size()]
-    return t.view(as_torch).numpy().reshape(-1).view(as_np)
-
-
-def _pool(t: PoolLayer, H: int, BS: int, D: int) -> tuple:
-    """Kernel arguments (d8, d16, d32, s16, s32, z16, z32, meta) of one pool, after checking its
-    layout. d8 is the data as bytes for every format; unused arrays are 1-element dummies, so every
-    format has the same argument types."""
-    p, s, z, data = t.p, t.scale, t.zero, t.data
-    G, pb = 1 if s is None else s.shape[-1], p.per_byte
-    assert data.dim() == 4 and tuple(data.shape[1:]) == (H, BS, D // pb) and D % G == 0, \
-        f"{p}: data {tuple(data.shape)} is not (NB, {H}, {BS}, {D // pb})"
-    assert data.is_contiguous() and data.dtype == p.storage_dtype and data.device.type == "cpu", \
-        f"{p}: data must be a contiguous CPU tensor of {p.storage_dtype}"
-    assert (s is None) == p.is_float and (z is None) == (p.sym or p.is_float), f"{p}: scale/zero"
-    full = (data.shape[0], H, BS, G)
-    assert s is None or (s.dim() == 4 and all(a in (1, b) for a, b in zip(s.shape, full))), \
-        f"{p}: scale {tuple(s.shape)} does not broadcast to (NB, H, BS, G) = {full}"
-    assert s is None or (s.is_contiguous() and s.dtype in (torch.float32, torch.float16,
-                                                           torch.bfloat16)), f"{p}: scale layout"
-    assert z is None or (z.shape == s.shape and z.dtype == s.dtype and z.is_contiguous())
-    fmt = {"fp32": F32, "fp16": F16, "bf16": BF16, "fp8": FP8, "int4": U4, "int2": U2}.get(p.dtype)
-    fmt = (I8 if p.sym else U8) if fmt is None else fmt
-    rows = _np(data).reshape(-1, D // pb)  # (NB * H * BS, D // per_byte)
-    size = data.element_size()
-    d16 = rows if size == 2 else np.zeros((1, 1), np.uint16)
-    d32 = rows if size == 4 else np.zeros((1, 1), np.float32)
-    kind = {torch.float16: F16, torch.bfloat16: BF16}.get(None if s is None else s.dtype, F32)
-    sz = []
-    for x in (s, z):  # each as (half bits, float32): the kernel reads the one `kind` names
-        sz.append(np.zeros(1, np.uint16) if x is None or kind == F32 else _np(x))
-        sz.append(np.zeros(1, np.float32) if x is None or kind != F32 else _np(x))
-    strides = [0] * 4 if s is None else [0 if n == 1 else st for n, st in zip(s.shape, s.stride())]
-    meta = [fmt, kind, z is not None, p.offset, G, D // G, D // pb, H * BS, BS, *strides]
-    return rows.view(np.uint8), d16, d32, *sz, np.array(meta, dtype=np.int64)
-
-
-def _c(t: torch.Tensor, dtype: type) -> np.ndarray:
-    """An index tensor as a C-contiguous numpy array: other layouts would compile a new kernel."""
-    return np.ascontiguousarray(t.numpy(), dtype)
 
 
 def paged_attention_cpu(q: torch.Tensor, q_seq: torch.Tensor, q_pos: torch.Tensor, k: PoolLayer,
@@ -484,28 +249,3 @@ def paged_attention_cpu(q: torch.Tensor, q_seq: torch.Tensor, q_pos: torch.Tenso
     if num_splits > 1:
         return merge_stacked(o, lse)
     return o[0], lse[0]
-
-
-def quantize_store_cpu(x: torch.Tensor, p: QuantParams, data: torch.Tensor,
-                       scale: torch.Tensor | None, zero: torch.Tensor | None, blk: torch.Tensor,
-                       off: torch.Tensor) -> int:
-    """quantize_store_ref in one pass over the new tokens x (n, H, D): codes, and per-token/group
-    scales and zeros, written into their slots; returns the count of saturated values and NaNs."""
-    assert AVAILABLE, REASON
-    assert not p.block_wise, f"{p}: block-wise scales are computed when a block fills"
-    (n, H, D), BS = x.shape, data.shape[2]
-    assert blk.shape == off.shape == (n,) and x.device.type == "cpu"
-    dynamic = not (p.static or p.is_float)
-    assert not dynamic or (scale.shape == (data.shape[0], H, BS, p.ngroups(D))
-                           and scale.dtype in (torch.float16, torch.bfloat16)), \
-        "dynamic scales are stored per slot, (NB, H, BS, G), in a 16-bit float"
-    fi = torch.finfo(torch.float16 if scale is None else scale.dtype)
-    fp8 = p.dtype == "fp8"
-    lo, hi = (-FP8_MAX, FP8_MAX) if fp8 else (p.qmin + p.offset, p.qmax + p.offset)
-    room = min(round(2 / fi.eps), 2048) - p.qmax  # as quant.compute_scales
-    pool = _pool(PoolLayer(data, scale, zero, p), H, BS, D)
-    if n == 0:
-        return 0
-    f32 = [np.float32(c) for c in (p.qmax, lo, hi, 0.0 if fp8 else 0.5, room, fi.tiny, fi.max)]
-    return int(_store_kernel(x.float().contiguous().numpy(), _c(blk, np.int64), _c(off, np.int64),
-                             pool, *f32, dynamic))
