@@ -29,11 +29,8 @@ if TOO_LATE:
 from pools import ATTN_CASES, DEV, make_batch, make_pool  # noqa: E402
 
 from tinykv.kernels import merge_partials, paged_attention_ref, quantize_store_ref  # noqa: E402
-from tinykv.kernels_triton import (  # noqa: E402
-    blocks_per_iter,
-    paged_attention_triton,
-    quantize_store_triton,
-)
+from tinykv.kernels_triton import blocks_per_iter, paged_attention_triton  # noqa: E402
+from tinykv.kernels_triton_store import quantize_store_triton  # noqa: E402
 from tinykv.quant import QuantParams  # noqa: E402
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import kernels_triton
+from . import kernels_triton, kernels_triton_store
 from .blocks import CacheError
 from .kernels import paged_attention_ref, quantize_store_ref
 
@@ -38,7 +38,7 @@ def select_kernels(attention: str, device: torch.device) -> Kernels:
         if kernels_triton.triton is None or not (device.type == "cuda" or interpreted):
             raise CacheError("--attention triton needs Triton and a CUDA device")
         return Kernels("triton", kernels_triton.paged_attention_triton,
-                       kernels_triton.quantize_store_triton)
+                       kernels_triton_store.quantize_store_triton)
     if attention == "cpu":
         if device.type != "cpu" or not _cpu_kernels_available():
             raise CacheError("--attention cpu needs numba and the model on the CPU")

@@ -1,8 +1,7 @@
-"""Triton kernels for the paged, quantized KV cache: fused dequant-attention and quantize-on-store.
-
-Each kernel has a torch reference with the identical signature in kernels.py (read it first): the
-reference says what is computed, the kernel how it is done fast on a GPU. `aot_compile` builds the
-kernels ahead of time for a GPU target without a GPU: the CPU-only check that they compile.
+"""Triton kernels for the paged, quantized KV cache: fused dequant-attention here, quantize-on-store
+in kernels_triton_store.py (kernels_triton_aot.py compiles both ahead of time without a GPU). Each
+has a torch reference with the identical signature in kernels.py (read it first): the reference
+says what is computed, the kernel how it is done fast on a GPU.
 
 Storage formats are one of three KINDs: 0 float (a plain cast), 1 integer codes of BITS bits
 (8 // BITS per byte, the low bits holding the even channel), 2 fp8 e4m3, read as its uint8 bits so
@@ -12,17 +11,13 @@ used: the kernels run on older Triton 3.x and torch 2.4+ too.
 
 from __future__ import annotations
 
-import inspect
 import math
-import os
-import subprocess
-import tempfile
 from dataclasses import dataclass
 
 import torch
 
 from .kernels import PoolLayer, merge_stacked
-from .quant import FP8_MAX, KVSpec, QuantParams
+from .quant import QuantParams
 
 try:
     import triton
@@ -321,6 +316,11 @@ def _attn_args(q: torch.Tensor, q_seq: torch.Tensor, q_pos: torch.Tensor, k: Poo
         DOT_F32=q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and _interpreted()))
 
 
+def _interpreted() -> bool:
+    """Whether the kernels were defined under TRITON_INTERPRET=1 (then they run on the CPU)."""
+    return not isinstance(_attn_kernel, triton.runtime.JITFunction)
+
+
 def paged_attention_triton(q: torch.Tensor, q_seq: torch.Tensor, q_pos: torch.Tensor,
                            k: PoolLayer, v: PoolLayer, block_table: torch.Tensor,
                            ctx_lens: torch.Tensor, sm_scale: float, num_splits: int | None = None
@@ -348,316 +348,3 @@ def paged_attention_triton(q: torch.Tensor, q_seq: torch.Tensor, q_pos: torch.Te
     if num_splits == 1:
         return o[0], lse[0]
     return merge_stacked(o, lse)
-
-
-# ---- quantize-and-store ----------------------------------------------------------------------
-
-@_jit
-def _rint(x):
-    """Round half to even like torch.round, from floor: exact, whatever the compiler's flags."""
-    f = tl.floor(x)
-    odd = f - 2.0 * tl.floor(f * 0.5) == 1.0
-    up = (x - f > 0.5) | ((x - f == 0.5) & odd)
-    return f + tl.where(up, 1.0, 0.0)
-
-
-@_jit
-def _cast_up(s, tiny, big, DT: tl.constexpr):
-    """Positive float32 -> 16-bit float dtype DT, rounding up, never down, like quant.cast_up."""
-    s = tl.minimum(tl.maximum(s, tiny), big)
-    c = s.to(DT)  # nearest
-    up = (c.to(tl.int16, bitcast=True) + 1).to(tl.int16).to(DT, bitcast=True)  # next larger
-    return tl.where(c.to(tl.float32) < s, up, c)
-
-
-@_jit
-def _fp8_bits(v):
-    """float32 in [-448, 448] -> e4m3fn bits (int32), rounding to nearest even like torch's cast."""
-    u = v.to(tl.int32, bitcast=True)
-    a = tl.abs(v)
-    # Round the mantissa to 3 bits (ties to even), then rebias the exponent from 127 to 7.
-    normal = (((u & 0x7FFFFFFF) + 0x7FFFF + ((u >> 20) & 1)) >> 20) - (120 << 3)
-    sub = _rint(a * 512.0).to(tl.int32)  # below 2^-6 e4m3 values are multiples of 2^-9
-    sign = (u >> 24) & 0x80
-    return tl.where(a < 0.015625, sub, normal) | sign
-
-
-@_jit
-def _store_kernel(
-        x, x_stride_n, x_stride_head, blk_ids, offs, count,
-        qmax, code_min, code_max, slack, zero_room, scale_tiny, scale_big,
-        data, scale, zero, stride_block, stride_head, stride_token,
-        scale_stride_block, scale_stride_head, scale_stride_token, scale_stride_group,
-        offset,
-        KIND: tl.constexpr, BITS: tl.constexpr, HAS_ZERO: tl.constexpr, DYNAMIC: tl.constexpr,
-        GROUP_SIZE: tl.constexpr, PB: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
-        D: tl.constexpr, CP: tl.constexpr):
-    """Token i, head h: quantize one row of D channels and store its codes (and scales)."""
-    i = tl.program_id(0)
-    h = tl.program_id(1)
-    blk = tl.load(blk_ids + i).to(tl.int64)  # () the token's block; int64 for large pools
-    tok = tl.load(offs + i)  # () its row within the block
-    e = tl.arange(0, CP)  # (CP,) stored elements of the row (bytes of packed codes)
-    j = tl.arange(0, PB)[None, :]  # (1, PB) code within a byte
-    ch = e[:, None] * PB + j  # (CP, PB) channel
-    in_row = ch < D  # (CP, PB)
-    xv = tl.load(x + i * x_stride_n + h * x_stride_head + ch, mask=in_row, other=0)
-    xv = xv.to(tl.float32)  # (CP, PB)
-    dst = data + blk * stride_block + h * stride_head + tok * stride_token  # () the slot's row
-    if KIND == 0:
-        tl.store(dst + ch, xv.to(data.dtype.element_ty), mask=in_row)
-    else:
-        gid = ch // GROUP_SIZE  # (CP, PB) group of each channel
-        # () the slot's scales; static ones have block and token strides 0
-        s_at = blk * scale_stride_block + h * scale_stride_head + tok * scale_stride_token
-        if DYNAMIC:  # quant.compute_scales for one token, op for op: codes match bit for bit
-            g = tl.arange(0, GP)  # (GP,) groups; g >= G pads
-            in_g = gid[None] == g[:, None, None]  # (GP, CP, PB)
-            finite = tl.abs(xv) < float("inf")  # (CP, PB) NaN and Inf take no part in scales
-            sel = in_g & in_row[None] & finite[None]  # (GP, CP, PB)
-            if HAS_ZERO:
-                mn = tl.min(tl.min(tl.where(sel, xv[None], float("inf")), 2), 1)  # (GP,)
-                mx = tl.max(tl.max(tl.where(sel, xv[None], float("-inf")), 2), 1)  # (GP,)
-                empty = mn > mx  # (GP,) no finite value: the range is [0, 0]
-                mn = tl.where(empty, 0.0, mn)
-                mx = tl.where(empty, 0.0, mx)
-                span = tl.math.div_rn(mx, qmax) - tl.math.div_rn(mn, qmax)  # (GP,)
-                reach = tl.maximum(tl.math.div_rn(mn, zero_room),
-                                   tl.math.div_rn(-mn, qmax + zero_room))  # (GP,)
-                s = tl.maximum(span, reach)  # (GP,)
-            else:
-                amax = tl.max(tl.max(tl.where(sel, tl.abs(xv)[None], 0.0), 2), 1)  # (GP,)
-                s = tl.math.div_rn(amax, qmax)  # (GP,)
-            sc = _cast_up(s, scale_tiny, scale_big, scale.dtype.element_ty)  # (GP,)
-            tl.store(scale + s_at + g * scale_stride_group, sc, mask=g < G)
-            s_el = tl.sum(tl.where(in_g, sc.to(tl.float32)[:, None, None], 0.0), 0)  # (CP, PB)
-            if HAS_ZERO:
-                z = _rint(tl.math.div_rn(-mn, sc.to(tl.float32)))  # (GP,)
-                z = tl.minimum(tl.maximum(z, -zero_room), qmax + zero_room)  # (GP,)
-                tl.store(zero + s_at + g * scale_stride_group, z.to(zero.dtype.element_ty),
-                         mask=g < G)
-                z_el = tl.sum(tl.where(in_g, z[:, None, None], 0.0), 0)  # (CP, PB)
-        else:
-            s_ptr = scale + s_at + gid * scale_stride_group  # (CP, PB)
-            s_el = tl.load(s_ptr, mask=in_row, other=1.0).to(tl.float32)  # (CP, PB)
-            if HAS_ZERO:
-                z_ptr = zero + s_at + gid * scale_stride_group  # (CP, PB)
-                z_el = tl.load(z_ptr, mask=in_row, other=0.0).to(tl.float32)  # (CP, PB)
-        nan = xv != xv  # (CP, PB)
-        # Divide, not multiply by the inverse: ties land exactly where torch's land.
-        v = tl.math.div_rn(tl.where(nan, 0.0, xv), tl.where(in_row, s_el, 1.0))  # (CP, PB)
-        if KIND == 1:  # not for fp8, where -0.0 + 0.0 would lose the sign torch's cast keeps
-            if HAS_ZERO:
-                v = v + z_el
-            else:
-                v = v + offset
-        sat = (nan | (v < code_min - slack) | (v > code_max + slack)) & in_row  # (CP, PB)
-        tl.atomic_add(count, tl.sum(tl.sum(sat.to(tl.int32), 1), 0))
-        v = tl.minimum(tl.maximum(v, code_min), code_max)  # (CP, PB)
-        if KIND == 2:
-            codes = _fp8_bits(v)  # (CP, PB)
-        else:
-            codes = _rint(v).to(tl.int32)  # (CP, PB)
-        if PB > 1:
-            packed = tl.sum(codes << (j * BITS), 1).to(tl.uint8)  # (CP,) bytes
-            tl.store(dst + e, packed, mask=e < D // PB)
-        else:
-            tl.store(dst + ch, codes.to(data.dtype.element_ty), mask=in_row)
-
-
-def _store_args(x: torch.Tensor, p: QuantParams, data: torch.Tensor, scale: torch.Tensor | None,
-                zero: torch.Tensor | None, blk: torch.Tensor, off: torch.Tensor,
-                count: torch.Tensor) -> dict:
-    """Every argument of _store_kernel, by name, layouts checked."""
-    (n, H, D), BS = x.shape, data.shape[2]
-    G = 1 if scale is None else scale.shape[-1]
-    pa = _pool_args(PoolLayer(data, scale, zero, p), H, BS, D, "store")
-    assert not p.block_wise, f"{p}: block-wise scales are computed when a block fills"
-    assert x.stride(-1) == 1 and blk.shape == off.shape == (n,), "x (n, H, D), blk and off (n,)"
-    per_slot = scale is None or (scale.shape[::2] == data.shape[::2] and scale.dtype.itemsize == 2)
-    assert p.static or per_slot, "dynamic scales are stored per slot, (NB, H, BS, G), in 16 bits"
-    fi = torch.finfo(torch.float16 if scale is None else scale.dtype)
-    if p.dtype == "fp8":
-        code_min, code_max = -FP8_MAX, FP8_MAX
-    elif p.sym:
-        code_min, code_max = p.qmin + p.offset, p.qmax + p.offset
-    else:
-        code_min, code_max = 0, p.qmax
-    return dict(
-        x=x, x_stride_n=x.stride(0), x_stride_head=x.stride(1), blk_ids=_i32(blk),
-        offs=_i32(off), count=count, qmax=float(p.qmax),
-        code_min=float(code_min), code_max=float(code_max),
-        slack=0.0 if p.dtype == "fp8" else 0.5,  # saturated: more than half a step outside
-        zero_room=float(min(round(2 / fi.eps), 2048) - p.qmax),  # as quant.compute_scales
-        scale_tiny=fi.tiny, scale_big=fi.max,
-        data=pa.data, scale=pa.scale, zero=pa.zero,
-        stride_block=pa.stride_block, stride_head=pa.stride_head, stride_token=pa.stride_token,
-        scale_stride_block=pa.scale_stride_block, scale_stride_head=pa.scale_stride_head,
-        scale_stride_token=pa.scale_stride_token, scale_stride_group=pa.scale_stride_group,
-        offset=pa.offset,
-        KIND=pa.kind, BITS=pa.bits, HAS_ZERO=pa.has_zero, DYNAMIC=not p.static,
-        GROUP_SIZE=pa.group_size, PB=p.per_byte, G=G, GP=triton.next_power_of_2(G), D=D,
-        CP=triton.next_power_of_2(D // p.per_byte))
-
-
-def quantize_store_triton(x: torch.Tensor, p: QuantParams, data: torch.Tensor,
-                          scale: torch.Tensor | None, zero: torch.Tensor | None, blk: torch.Tensor,
-                          off: torch.Tensor) -> torch.Tensor:
-    """quantize_store_ref in one kernel launch: one program per (token, head)."""
-    assert triton is not None, "quantize_store_triton needs Triton (Linux); use quantize_store_ref"
-    count = torch.zeros((), dtype=torch.int32, device=x.device)
-    args = _store_args(x, p, data, scale, zero, blk, off, count)
-    if x.shape[0]:
-        _store_kernel[(x.shape[0], x.shape[1])](**args)
-    return count
-
-
-# ---- ahead-of-time compilation ---------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Variant:
-    """One compiled form of a kernel: what its constexprs and pointer dtypes depend on."""
-    kernel: str  # "attention" or "store"
-    spec: str  # attention: a KV spec ("int8", "k=int4:channel:asym,v=fp16"); store: one format
-    head_dim: int = 128
-    block_size: int = 16
-    n_rep: int = 1  # query heads per KV head (attention)
-    dtype: str = "fp16"  # of q (attention) or of the stored x (store)
-
-    def __str__(self) -> str:
-        rep = f" n_rep={self.n_rep}" if self.kernel == "attention" else ""
-        return f"{self.kernel} {self.spec} D={self.head_dim} BS={self.block_size}{rep} {self.dtype}"
-
-
-_TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-_SIGNATURE_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
-                     torch.int8: "i8", torch.uint8: "u8", torch.int32: "i32", torch.int64: "i64"}
-
-
-def _interpreted() -> bool:
-    """Whether the kernels were defined under TRITON_INTERPRET=1 (then they run on the CPU)."""
-    return not isinstance(_attn_kernel, triton.runtime.JITFunction)
-
-
-def _example_pool(p: QuantParams, H: int, BS: int, D: int) -> PoolLayer:
-    """Two blocks laid out as the cache lays them out: fp16 dynamic, fp32 static scales."""
-    data = torch.zeros(2, H, BS, D // p.per_byte, dtype=p.storage_dtype)
-    if p.is_float:
-        return PoolLayer(data, None, None, p)
-    if p.static:
-        scale = torch.ones(1, 1 if p.gran == "tensor" else H, 1, p.ngroups(D))
-    else:
-        scale = torch.ones(2, *p.scale_shape(H, BS, D), dtype=torch.float16)
-    return PoolLayer(data, scale, None if p.sym else torch.zeros_like(scale), p)
-
-
-def _example_args(variant: Variant) -> tuple[object, dict]:
-    """(kernel, its arguments by name) for tiny CPU tensors laid out as a real launch's are."""
-    H, D, BS = 2, variant.head_dim, variant.block_size
-    dtype = _TORCH_DTYPES[variant.dtype]
-    if variant.kernel == "attention":
-        spec = KVSpec.parse(variant.spec)
-        k = _example_pool(spec.k, H, BS, D)
-        v = _example_pool(spec.v, H, BS, D)
-        q = torch.zeros(1, H * variant.n_rep, D, dtype=dtype)
-        o = torch.zeros(1, *q.shape)
-        lse = torch.zeros(1, *q.shape[:2])
-        index = torch.zeros(1, dtype=torch.int32)
-        table = torch.zeros(1, 2, dtype=torch.int32)
-        args = _attn_args(q, index, index, k, v, table, index, D**-0.5, 1, o, lse)
-        return _attn_kernel, args
-    p = QuantParams.parse(variant.spec)
-    pool = _example_pool(p, H, BS, D)
-    x = torch.zeros(1, H, D, dtype=dtype)
-    index = torch.zeros(1, dtype=torch.int32)
-    count = torch.zeros((), dtype=torch.int32)
-    args = _store_args(x, p, pool.data, pool.scale, pool.zero, index, index, count)
-    return _store_kernel, args
-
-
-def _ast_source(fn, args: dict):
-    """triton.compiler.ASTSource for these argument values, under each API of Triton 3.x.
-
-    Pointers and integers divisible by 16 get the divisibility hint a launch would give them
-    (where Triton takes hints as a dict, 3.3+), so the code is what a launch compiles.
-    """
-    from triton.backends import compiler as backend_compiler
-
-    constexpr = {param.name for param in fn.params if param.is_constexpr}
-    types = {}
-    for name in fn.arg_names:
-        value = args[name]
-        if name in constexpr:
-            types[name] = "constexpr"
-        elif isinstance(value, torch.Tensor):
-            types[name] = "*" + _SIGNATURE_DTYPES[value.dtype]
-        elif isinstance(value, float):
-            types[name] = "fp32"
-        elif -2**31 <= value < 2**31:
-            types[name] = "i32"
-        else:
-            types[name] = "i64"
-    constants = {name: args[name] for name in constexpr}
-    if "constexprs" not in inspect.signature(triton.compiler.ASTSource).parameters:
-        # Triton 3.0/3.1: `constants`, and a signature without the constexprs.
-        signature = {name: t for name, t in types.items() if t != "constexpr"}
-        return triton.compiler.ASTSource(fn=fn, signature=signature, constants=constants)
-    attrs = None
-    if not hasattr(backend_compiler, "AttrsDescriptor"):  # 3.3+: hints as a dict
-        attrs = {}
-        for i, name in enumerate(fn.arg_names):
-            value = args[name]
-            aligned = isinstance(value, torch.Tensor) or (type(value) is int and value % 16 == 0)
-            if types[name] != "constexpr" and aligned:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    return triton.compiler.ASTSource(fn=fn, signature=types, constexprs=constants, attrs=attrs)
-
-
-def _resource_usage(cubin: bytes) -> dict:
-    """Registers, shared memory and local (spill) bytes of a cubin, from cuobjdump (no GPU)."""
-    from triton.tools.disasm import path_to_cuobjdump
-
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        out = subprocess.run([path_to_cuobjdump(), "-res-usage", f.name], check=True,
-                             capture_output=True, text=True).stdout
-    fields = {}
-    for line in out.splitlines():
-        if "REG:" in line:
-            for item in line.split():
-                name, _, value = item.partition(":")
-                if value.isdigit():
-                    fields[name] = int(value)
-    return fields
-
-
-def aot_compile_one(variant: Variant, cap: int) -> dict:
-    """Compile one variant for sm_{cap}: its cubin's registers, shared bytes and spills."""
-    assert not _interpreted(), "unset TRITON_INTERPRET before importing triton to compile kernels"
-    from triton.backends.compiler import GPUTarget
-
-    fn, args = _example_args(variant)
-    compiled = triton.compile(_ast_source(fn, args), target=GPUTarget("cuda", cap, 32))
-    usage = _resource_usage(compiled.asm["cubin"])
-    return {"variant": str(variant), "target": f"sm_{cap}", "kernel": fn.__name__,
-            "n_regs": usage["REG"], "n_spills": usage.get("LOCAL", 0) // 4,
-            "shared": compiled.metadata.shared, "ptx_chars": len(compiled.asm["ptx"]),
-            "cubin_bytes": len(compiled.asm["cubin"])}
-
-
-def aot_compile(variants: list[Variant], caps: tuple[int, ...] = (80, 90),
-                jobs: int | None = None) -> list[dict]:
-    """aot_compile_one for every variant and target, in `jobs` processes (default: the CPUs).
-
-    n_spills counts 4-byte words of local memory, as Triton's launcher reports them on a GPU.
-    """
-    from concurrent.futures import ProcessPoolExecutor
-
-    work = [(variant, cap) for variant in variants for cap in caps]
-    jobs = jobs or os.cpu_count() or 1
-    if jobs == 1:
-        return [aot_compile_one(variant, cap) for variant, cap in work]
-    with ProcessPoolExecutor(jobs) as pool:
-        futures = [pool.submit(aot_compile_one, variant, cap) for variant, cap in work]
-        return [f.result() for f in futures]

@@ -30,7 +30,8 @@ from pathlib import Path
 import torch
 
 from ..kernels import PoolLayer, paged_attention_ref
-from ..kernels_triton import Variant, triton
+from ..kernels_triton import triton
+from ..kernels_triton_aot import Variant
 from ..quant import KVSpec, QuantParams, bytes_per_token, compute_scales, quantize
 
 SHAPES = {"SmolLM2-135M": (9, 3, 64), "Llama-3-8B": (32, 8, 128)}  # query heads, KV heads, head dim
@@ -202,7 +203,7 @@ def _print_row(r: dict, header: bool) -> None:
 # set TRITON_INTERPRET=1 (tests without a GPU) cannot compile; a fresh one without it can.
 _AOT_CHILD = """
 import json, sys
-from tinykv.kernels_triton import Variant, aot_compile
+from tinykv.kernels_triton_aot import Variant, aot_compile
 job = json.load(sys.stdin)
 rows = aot_compile([Variant(**v) for v in job["variants"]], tuple(job["caps"]), job["jobs"])
 print(json.dumps(rows))
