@@ -17,6 +17,7 @@ from ..cache import make_cache
 from ..evaluate import perplexity
 from ..model import Transformer
 from ..passkey import run_passkey
+from ..pools import block_bytes
 from ..spec import KVSpec
 from ..tokenizer import Tokenizer
 
@@ -31,12 +32,10 @@ class QualityRow:
     passkey_trials: int | None
 
 
-def bytes_of(model: Transformer, spec: KVSpec, scales: dict | None) -> float:
-    """Stored bytes per token under `spec`, from a one-block cache (no probe of the real size)."""
-    p = next(model.parameters())
-    with make_cache(model.cfg, spec, blocks=1, scales=scales, device=p.device,
-                    dtype=p.dtype) as cache:
-        return cache.bytes_per_token
+def bytes_of(model: Transformer, spec: KVSpec, block_size: int = 16) -> float:
+    """Stored bytes per token under `spec`: the pool's formula (pools.block_bytes), no cache."""
+    dtype = next(model.parameters()).dtype  # skipped layers store the model's dtype
+    return block_bytes(model.cfg, spec, block_size, dtype) / block_size
 
 
 def measure(model: Transformer, tok: Tokenizer, spec: KVSpec, tokens: list[int] | None,
@@ -58,7 +57,7 @@ def measure(model: Transformer, tok: Tokenizer, spec: KVSpec, tokens: list[int] 
         n_trials = len(res.trials)
     longest = max(lengths) if lengths else window
     held = min(longest, spec.budget) if spec.evict else longest
-    return QualityRow(str(spec), bytes_of(model, spec, scales), held, ppl, found, n_trials)
+    return QualityRow(str(spec), bytes_of(model, spec), held, ppl, found, n_trials)
 
 
 def table(rows: list[QualityRow]) -> str:
