@@ -162,7 +162,7 @@ def test_file_round_trips_bit_exactly(saved):
     (dict(hd=80, n_heads=6, n_kv=2), None, "head_dim 64 != 80"),
     (None, "k=int8:head:static,v=int4:head:asym:static", "holds scales for k=int8:channel:static"),
     (None, "k=int8:channel:static,v=int4:head:static", "holds scales for v=int4:head:asym:static"),
-    (None, "int8", "has no static or centered part"),
+    (None, "int8", "has no static, centered or smoothed part"),
     (None, "k=int8:center,v=int4:head:asym:static", "holds no means for k"),
 ])
 def test_mismatched_file_is_a_clear_error(saved, model, spec, why):

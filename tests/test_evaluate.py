@@ -166,7 +166,7 @@ def test_cli_calibrate_then_eval(hf_dir, tmp_path, capsys):
     ("int8:tensor:static", "garbage", "not a safetensors file"),
     ("int8:tensor:static", "missing", "not found"),
     ("int8:head:static", "tensor", "holds scales for k=int8:tensor:static"),
-    ("int8", "tensor", "has no static or centered part"),
+    ("int8", "tensor", "has no static, centered or smoothed part"),
     ("int4:center", "tensor", "holds no means for k"),
     ("int8:tensor:static", "other_model", "another model"),
 ])

@@ -318,8 +318,8 @@ def make_cache(cfg: Config, spec: KVSpec | str, *, tokens: int | None = None,
     for p in (spec.k, spec.v):
         p.check(cfg.head_dim)
     if spec.needs_scales and scales is None:
-        raise CacheError(f"KV spec '{spec}' has static scales or centers: pass a calibration "
-                         "file (--kv-scales)")
+        raise CacheError(f"KV spec '{spec}' has static scales, centers or smoothing maps: pass "
+                         "a calibration file (--kv-scales)")
     if block_size < 1:
         raise CacheError(f"block size {block_size} must be >= 1")
     spec.skipped(cfg.n_layers)  # a skip= outside the model is a SpecError here

@@ -149,6 +149,38 @@ def centers_of(k: torch.Tensor, v: torch.Tensor, spec: KVSpec) -> dict[str, torc
     return out
 
 
+def _psd_power(m: torch.Tensor, power: float) -> torch.Tensor:
+    """m^power of symmetric positive definite matrices m (..., D, D), by eigendecomposition."""
+    w, u = torch.linalg.eigh(m)
+    return u @ torch.diag_embed(w.clamp(min=torch.finfo(w.dtype).tiny) ** power) @ u.mT
+
+
+def smooth_maps(k: torch.Tensor, q: torch.Tensor, ridge: float = 1e-2) -> torch.Tensor:
+    """The `:smooth` map S (L, H, D, D) of each head from recorded keys (L, H, T, D), centered
+    if the spec centers them, and queries (L, Hq, T, D).
+
+    Stored keys k S are quantized with error about as large in every stored channel (rotated,
+    per-token scales), of a size set by |k S|. With Kc = E[k^T k] and Qc = E[q^T q] over the
+    head's queries, and M = S S^T, the expected score error E[(q S^-T . err)^2] goes as
+    tr(Kc M) * tr(Qc M^-1), which is smallest for the matrix geometric mean of Kc^-1 and Qc:
+    M = Kc^-1/2 (Kc^1/2 Qc Kc^1/2)^1/2 Kc^-1/2 (the M with M Kc M = Qc). S = M^1/2, scaled so
+    that keys keep their mean energy. A ridge of `ridge` times the mean eigenvalue keeps S
+    well conditioned where keys or queries have (nearly) no energy."""
+    L, H, T, D = k.shape
+    n_rep = q.shape[1] // H
+    kd = k.double()
+    qd = q.double().unflatten(1, (H, n_rep))  # (L, H, n_rep, T, D)
+    kc = kd.mT @ kd / T  # (L, H, D, D)
+    qc = torch.einsum("lhrtd,lhrte->lhde", qd, qd) / (T * n_rep)  # (L, H, D, D)
+    eye = torch.eye(D, dtype=torch.float64)
+    for c in (kc, qc):
+        c += ridge * c.diagonal(dim1=-2, dim2=-1).mean(-1)[..., None, None] * eye
+    kh, kih = _psd_power(kc, 0.5), _psd_power(kc, -0.5)
+    m = kih @ _psd_power(kh @ qc @ kh, 0.5) @ kih  # (L, H, D, D)
+    energy = kc.diagonal(dim1=-2, dim2=-1).sum(-1) / (kc * m).sum((-2, -1))  # tr Kc / tr(Kc M)
+    return (_psd_power(m, 0.5) * energy.sqrt()[..., None, None]).float()
+
+
 def as_cached(x: torch.Tensor, which: str, transforms: list[Transform]) -> torch.Tensor:
     """Recorded q, k or v (L, heads, T, D) as a cache with these per-layer transforms holds it
     (rotated, centered), so that static scales and attention errors fit what is stored."""
@@ -163,14 +195,14 @@ def as_cached(x: torch.Tensor, which: str, transforms: list[Transform]) -> torch
 def check_request(spec: KVSpec, observer: str, vllm: bool = False) -> None:
     """Fail fast, before the slow part, on what calibration (and the vLLM export) cannot do."""
     if not spec.needs_scales:
-        raise CalibrationError(f"KV spec '{spec}' has no static or centered part to calibrate "
-                               "(e.g. int8:tensor:static or int4:rot:center)")
+        raise CalibrationError(f"KV spec '{spec}' has no static, centered or smoothed part to "
+                               "calibrate (e.g. int8:tensor:static or int4:rot:center)")
     parse_observer(observer)
     p = spec.k
-    if vllm and (p.rot or spec.v.rot or p.center or spec.v.center or spec.skip):
-        raise CalibrationError(f"vLLM cannot apply tinykv's rotation, centering or skipped "
-                               f"layers: '{spec}' has :rot, :center or skip= (export a spec "
-                               "without them)")
+    if vllm and (p.rot or spec.v.rot or p.center or spec.v.center or p.smooth or spec.skip):
+        raise CalibrationError(f"vLLM cannot apply tinykv's rotation, centering, smoothing or "
+                               f"skipped layers: '{spec}' has :rot, :center, :smooth or skip= "
+                               "(export a spec without them)")
     vllm_format = (p == spec.v and p.sym and p.gran in ("tensor", "head")
                    and p.dtype in ("fp8", "int8"))
     if vllm and not vllm_format:
@@ -206,7 +238,8 @@ def static_scales(k: torch.Tensor, v: torch.Tensor, spec: KVSpec,
 def calibrate(model: Transformer, tokens: list[int], spec: KVSpec, observer: str = "minmax",
               window: int = 1024, progress: bool = False) -> dict[str, torch.Tensor]:
     """Record the model's keys/values over tokens and return what spec calibrates: the means of
-    its centered parts, then static scales of what the cache stores (centered, rotated)."""
+    its centered parts, the maps of its smoothed keys, then static scales of what the cache
+    stores (centered, smoothed, rotated)."""
     return calibrated(model, tokens, spec, observer, window, progress)[0]
 
 
@@ -215,9 +248,12 @@ def calibrated(model: Transformer, tokens: list[int], spec: KVSpec, observer: st
                                                      torch.Tensor]:
     """(the scale file's tensors, keys, values (L, H, T, D) as the cache stores them)."""
     check_request(spec, observer)
-    rec = record(model, tokens, window, progress=progress)
+    rec = record(model, tokens, window, keep_q=spec.k.smooth, progress=progress)
     k, v = rec.stacked("k"), rec.stacked("v")  # (L, H, T, D) each, as the model makes them
     out = centers_of(k, v, spec)
+    if spec.k.smooth:  # S is fitted to the keys as it meets them: after centering
+        centered = k - out["k_center"][:, :, None] if spec.k.center else k
+        out["k_smooth"] = smooth_maps(centered, rec.stacked("q"))
     transforms = layer_transforms(spec, model.cfg.n_layers, model.cfg.head_dim, out)
     k, v = as_cached(k, "k", transforms), as_cached(v, "v", transforms)
     if spec.k.static or spec.v.static:
@@ -264,13 +300,14 @@ def load_scales(path: str | Path, cfg: Config, spec: KVSpec) -> dict[str, torch.
         raise CalibrationError(f"{path} was calibrated for skip={file_spec.skip or 'none'}, "
                                f"not skip={spec.skip or 'none'} (it is for '{file_spec}')")
     if not spec.needs_scales:
-        raise CalibrationError(f"--kv-scales given but KV spec '{spec}' has no static or "
-                               "centered part "
-                               f"({path}: '{file_spec}')")
+        raise CalibrationError(f"--kv-scales given but KV spec '{spec}' has no static, "
+                               f"centered or smoothed part ({path}: '{file_spec}')")
     out = {}
     for name, p, fp in (("k", spec.k, file_spec.k), ("v", spec.v, file_spec.v)):
         if p.center:
             out[f"{name}_center"] = _center_of(path, tensors, name, cfg, fp, file_spec)
+        if p.smooth:
+            out["k_smooth"] = _smooth_of(path, tensors, cfg, p, fp, file_spec)
         if not p.static:
             continue  # a dynamic or plain-cast part takes no scales from the file
         if p != fp:
@@ -300,6 +337,28 @@ def _center_of(path: str | Path, tensors: dict[str, torch.Tensor], name: str, cf
     if x is None or tuple(x.shape) != shape or not bool(x.isfinite().all()):
         raise CalibrationError(f"{path}: tensor {name}_center is missing, misshapen (want "
                                f"{shape}) or invalid")
+    return x.float()
+
+
+def _smooth_of(path: str | Path, tensors: dict[str, torch.Tensor], cfg: Config, p: QuantParams,
+               fp: QuantParams, file_spec: KVSpec) -> torch.Tensor:
+    """The file's key smoothing maps (L, H, D, D), checked: fitted to keys centered as p's are,
+    finite and invertible."""
+    if not fp.smooth:
+        raise CalibrationError(f"{path} holds no smoothing maps for k (it is for '{file_spec}'; "
+                               "calibrate a spec whose k part has :smooth)")
+    if fp.center != p.center:
+        fitted = "centered" if fp.center else "uncentered"
+        raise CalibrationError(f"{path} holds smoothing maps fitted to {fitted} keys (it is for "
+                               f"'{file_spec}'); calibrate k={p}")
+    x = tensors.get("k_smooth")
+    shape = (cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, cfg.head_dim)
+    valid = x is not None and tuple(x.shape) == shape and bool(x.isfinite().all())
+    if valid:  # a map the queries cannot undo would change every score
+        valid = bool((torch.linalg.cond(x.double()) < 1e8).all())
+    if not valid:
+        raise CalibrationError(f"{path}: tensor k_smooth is missing, misshapen (want {shape}), "
+                               "not finite or not invertible")
     return x.float()
 
 

@@ -1,5 +1,6 @@
 """KV-cache quantization for tinykv: scales, quantize and dequantize, int4/int2 packing, fp8
-(e4m3) and the `:rot` / `:center` transforms, all in this file (the spec string is spec.py).
+(e4m3) and the `:rot` / `:center` / `:smooth` transforms, all in this file (the spec string is
+spec.py).
 
 Every tensor is shaped (..., H, T, D): heads, tokens, channels last. Scales and zero points
 are shaped (..., H|1, T|1, G) where channel c belongs to group c // (D // G), so one formula
@@ -56,20 +57,34 @@ class Transform:
     added, since probabilities sum to 1. On this model the key mean holds half of the keys'
     energy (a bias per channel, not a spread), so without it a per-token scale spends most of
     its range on the mean. Rotation (`:rot`) turns centered keys and the queries by one
-    orthogonal R_k (q R . k R = q . k), and values by R_v, turned back in the output."""
+    orthogonal R_k (q R . k R = q . k), and values by R_v, turned back in the output.
+
+    Smoothing (`:smooth`) maps each head's centered keys by a calibrated invertible S, before
+    R_k, and its queries by S^-T (q S^-T . k S = q . k). A per-token scale spreads error evenly
+    over the stored channels, so S decides where the error lands: calibrate.smooth_maps picks
+    the S that makes the expected score error E[(q . err)^2] smallest, which moves it to the
+    directions queries look along least."""
 
     rk: torch.Tensor | None = None  # (D, D)
     rv: torch.Tensor | None = None  # (D, D)
     mk: torch.Tensor | None = None  # (H, D): subtracted from keys
     mv: torch.Tensor | None = None  # (H, D): subtracted from values, added to the output
+    sk: torch.Tensor | None = None  # (H, D, D): S, applied to keys
+    sq: torch.Tensor | None = None  # (H, D, D): S^-T, applied to the queries of head h
 
     def queries(self, q: torch.Tensor) -> torch.Tensor:
+        """q (..., Hq, D) as the kernels meet it."""
+        if self.sq is not None:
+            n_rep = q.shape[-2] // self.sq.shape[0]  # GQA: the query heads of each KV head
+            q = torch.einsum("...hd,hde->...he", q, self.sq.repeat_interleave(n_rep, 0))
         return q if self.rk is None else q @ self.rk  # (..., Hq, D)
 
     def keys(self, k: torch.Tensor) -> torch.Tensor:
         """k (N, H, D) as the cache stores it."""
         if self.mk is not None:
             k = k - self.mk
+        if self.sk is not None:
+            k = torch.einsum("nhd,hde->nhe", k, self.sk)  # each head by its own S
         return k if self.rk is None else k @ self.rk
 
     def values(self, v: torch.Tensor) -> torch.Tensor:
@@ -88,20 +103,24 @@ class Transform:
 
     def to(self, device: torch.device | str, dtype: torch.dtype) -> Transform:
         moved = [None if t is None else t.to(device, dtype) for t in
-                 (self.rk, self.rv, self.mk, self.mv)]
+                 (self.rk, self.rv, self.mk, self.mv, self.sk, self.sq)]
         return Transform(*moved)
 
 
 def layer_transforms(spec: KVSpec, n_layers: int, head_dim: int,
                      centers: dict[str, torch.Tensor] | None = None) -> list[Transform]:
-    """One Transform per layer for a spec's `:rot` and `:center` parts (nothing for skipped
-    layers). Rotations are seeded by layer, so a cache and its calibration agree; the means are
-    centers["k_center"] / ["v_center"] (L, H, D), from the scale file."""
+    """One Transform per layer for a spec's `:rot`, `:center` and `:smooth` parts (nothing for
+    skipped layers). Rotations are seeded by layer, so a cache and its calibration agree; the
+    means are centers["k_center"] / ["v_center"] (L, H, D) and the smoothing maps
+    centers["k_smooth"] (L, H, D, D), from the scale file."""
     skipped = spec.skipped(n_layers)
-    for name, p in (("k", spec.k), ("v", spec.v)):
-        if p.center and (centers is None or f"{name}_center" not in centers):
-            raise SpecError(f"KV spec '{spec}' centers {name}: its means come from a "
-                            "calibration file (tinykv calibrate)")
+    wanted = [("k_center", spec.k.center, "centers k: its means"),
+              ("v_center", spec.v.center, "centers v: its means"),
+              ("k_smooth", spec.k.smooth, "smooths k: its maps")]
+    for name, asked, what in wanted:
+        if asked and (centers is None or name not in centers):
+            raise SpecError(f"KV spec '{spec}' {what} come from a calibration file "
+                            "(tinykv calibrate)")
     out = []
     for layer in range(n_layers):
         t = Transform()
@@ -114,6 +133,10 @@ def layer_transforms(spec: KVSpec, n_layers: int, head_dim: int,
                 t.mk = centers["k_center"][layer]
             if spec.v.center:
                 t.mv = centers["v_center"][layer]
+            if spec.k.smooth:
+                s = centers["k_smooth"][layer].double()  # (H, D, D)
+                t.sk = s.float()
+                t.sq = torch.linalg.inv(s).transpose(-1, -2).float()
         out.append(t)
     return out
 

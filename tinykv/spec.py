@@ -4,6 +4,7 @@ bad part of a malformed one. The grammar is in DESIGN.md and the README.
 
 SPEC  := PART ("," PART)* ("," OPTION)*
 PART  := ["k=" | "v="] DTYPE [":" GRAN] [":" sym|asym] [":" static|dynamic] [":rot"] [":center"]
+                                                          [":smooth"]
 OPTION:= residual=N | sink=N | skip=L[:L...] | evict=POLICY:N
 """
 
@@ -18,6 +19,7 @@ GRANS = ("tensor", "head", "channel", "token")  # plus gN, held as gran="group",
 _FLOAT = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 _BITS = {"fp32": 32, "fp16": 16, "bf16": 16, "fp8": 8, "int8": 8, "int4": 4, "int2": 2}
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+_TRANSFORMS = "rot, center or smooth"  # the PART options applied around the kernels
 
 
 class SpecError(ValueError):
@@ -42,7 +44,7 @@ def _problem(dtype: str, gran: str, group: int, sym: bool, static: bool) -> str 
     if gran not in GRANS + ("group",) or (gran == "group") != (group > 0):
         return f"bad granularity {gran!r} (expected {'|'.join(GRANS)}|gN with N > 0)"
     if dtype in _FLOAT and (gran, sym, static) != ("tensor", True, False):
-        return f"{dtype} is stored by plain cast and takes no options but rot and center"
+        return f"{dtype} is stored by plain cast and takes no options but {_TRANSFORMS}"
     if dtype == "fp8" and not sym:
         return "fp8 supports sym only"
     if static and gran in ("token", "group"):
@@ -58,7 +60,7 @@ def _option_key(opt: str) -> str | None:
         return "sym"
     if opt in ("static", "dynamic"):
         return "static"
-    if opt in ("rot", "center"):
+    if opt in ("rot", "center", "smooth"):
         return opt
     return None
 
@@ -67,7 +69,9 @@ def _option_key(opt: str) -> str | None:
 class QuantParams:
     """How one of K or V is stored. Float dtypes are a plain cast (gran "tensor", sym, dynamic).
     `rot`: a seeded orthogonal rotation per KV head before quantizing (rotation_matrix).
-    `center`: a calibrated per-channel mean subtracted before storing (quant.Transform)."""
+    `center`: a calibrated per-channel mean subtracted before storing (quant.Transform).
+    `smooth` (keys only): a calibrated per-head linear map on keys, its inverse on queries, that
+    puts the keys' quantization error where queries look least (quant.Transform)."""
 
     dtype: str
     gran: str = ""  # tensor | head | channel | token | group; "" = the dtype's default
@@ -76,6 +80,7 @@ class QuantParams:
     static: bool = False
     rot: bool = False
     center: bool = False
+    smooth: bool = False
 
     def __post_init__(self) -> None:
         if not self.gran:
@@ -87,21 +92,22 @@ class QuantParams:
 
     @classmethod
     def parse(cls, part: str, spec: str | None = None) -> QuantParams:
-        """Parse 'DTYPE[:GRAN][:sym|asym][:static|dynamic][:rot][:center]' (no k=/v= prefix)."""
+        """Parse 'DTYPE[:GRAN][:sym|asym][:static|dynamic][:rot][:center][:smooth]' (no k=/v=
+        prefix)."""
         spec = part if spec is None else spec
         dtype, *opts = (t.strip() for t in part.split(":"))
-        if dtype in _FLOAT and not set(opts) <= {"rot", "center"}:
-            raise _fail(spec, f"{dtype} is stored by plain cast and takes no options but rot "
-                        "and center", part)
+        if dtype in _FLOAT and not set(opts) <= {"rot", "center", "smooth"}:
+            raise _fail(spec, f"{dtype} is stored by plain cast and takes no options but "
+                        f"{_TRANSFORMS}", part)
         kw: dict = {}
         for o in opts:
             key = _option_key(o)
             if key is None:
                 raise _fail(spec, f"unknown option {o!r} (expected {'|'.join(GRANS)}|gN, "
-                            "sym|asym, static|dynamic, rot or center)", part)
+                            f"sym|asym, static|dynamic, {_TRANSFORMS})", part)
             if key in kw:
                 raise _fail(spec, f"{key} given twice", part)
-            kw[key] = o if key == "gran" else o in ("sym", "static", "rot", "center")
+            kw[key] = o if key == "gran" else o in ("sym", "static", "rot", "center", "smooth")
         gran, group = kw.get("gran", _default_gran(dtype)), 0
         if gran not in GRANS:  # gN
             digits = gran[1:]
@@ -112,7 +118,7 @@ class QuantParams:
         why = _problem(*fields)
         if why:
             raise _fail(spec, why, part)
-        return cls(*fields, kw.get("rot", False), kw.get("center", False))
+        return cls(*fields, *(kw.get(t, False) for t in ("rot", "center", "smooth")))
 
     def __str__(self) -> str:
         out = self.dtype
@@ -128,6 +134,8 @@ class QuantParams:
             out += ":rot"
         if self.center:
             out += ":center"
+        if self.smooth:
+            out += ":smooth"
         return out
 
     def check(self, head_dim: int) -> None:
@@ -221,6 +229,9 @@ class KVSpec:
             raise SpecError(f"bad KV spec {str(self)!r}: residual, sink and budgets must be >= 0")
         if bool(self.evict) != (self.budget > 0) or self.evict not in ("",) + EVICT_POLICIES:
             raise SpecError(f"bad KV spec {str(self)!r}: evict needs a policy and a budget > 0")
+        if self.v.smooth:
+            raise SpecError(f"bad KV spec {str(self)!r}: smooth is for keys only (it weighs key "
+                            "error by the queries; write k=...:smooth)")
 
     @classmethod
     def parse(cls, s: str) -> KVSpec:
@@ -269,9 +280,9 @@ class KVSpec:
 
     @property
     def needs_scales(self) -> bool:
-        """Static parts take their scales, centered parts their means, from a calibration
-        file."""
-        return self.k.static or self.v.static or self.k.center or self.v.center
+        """Static parts take their scales, centered parts their means, smoothed keys their maps,
+        from a calibration file."""
+        return self.k.static or self.v.static or self.k.center or self.v.center or self.k.smooth
 
     @property
     def is_float(self) -> bool:

@@ -60,11 +60,11 @@ def check_cache_args(args, specs: list[KVSpec] | None = None) -> None:
     specs = specs or [args.kv]
     for spec in specs:
         if spec.needs_scales and not args.kv_scales:
-            raise UsageError(f"KV spec '{spec}' has static scales or centers: pass "
-                             "--kv-scales FILE")
+            raise UsageError(f"KV spec '{spec}' has static scales, centers or smoothing maps: "
+                             "pass --kv-scales FILE")
     if args.kv_scales and not any(s.needs_scales for s in specs):
-        raise UsageError(f"--kv-scales given but KV spec '{specs[0]}' has no static or "
-                         "centered part")
+        raise UsageError(f"--kv-scales given but KV spec '{specs[0]}' has no static, "
+                         "centered or smoothed part")
 
 
 def load_model(args) -> tuple[Transformer, Path]:

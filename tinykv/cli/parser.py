@@ -160,7 +160,8 @@ def add_cache_args(ap: argparse.ArgumentParser, default_kv: str = "int8") -> Non
     ap.add_argument("--kv", type=kv_spec, default=default_kv, metavar="SPEC",
                     help="KV cache spec, e.g. int8, int4:rot, k=int4:channel:asym,v=int4:g32:asym,"
                          "residual=64")
-    ap.add_argument("--kv-scales", metavar="FILE", help="static scales from `tinykv calibrate`")
+    ap.add_argument("--kv-scales", metavar="FILE",
+                    help="static scales, centers and smoothing maps from `tinykv calibrate`")
     ap.add_argument("--block-size", type=int_range(1, 4096), default=16, metavar="N",
                     help="tokens per cache block")
     size = ap.add_mutually_exclusive_group()
@@ -401,7 +402,8 @@ def add_quality_parser(bsub: argparse._SubParsersAction) -> None:
     q.add_argument("--kv", type=kv_spec, nargs="+", metavar="SPEC",
                    default=[kv_spec(s) for s in ("fp16", "int8", "int4:rot")],
                    help="KV specs, one row each (the first is the baseline)")
-    q.add_argument("--kv-scales", metavar="FILE", help="static scales for the static specs")
+    q.add_argument("--kv-scales", metavar="FILE",
+                   help="static scales, centers and smoothing maps for the specs that take them")
     q.add_argument("--chunk", type=POSITIVE, default=16, metavar="C", help="tokens fed per step")
     add_passkey_args(q, "2000")
     q.add_argument("--filler", metavar="FILE", help="passkey filler text (default: built in)")
