@@ -1,6 +1,6 @@
 """Static KV calibration: observe each layer's post-RoPE keys and values over a text and turn them
-into the fixed scales of a `:static` KV spec (per tensor, head or channel), saved as safetensors
-(never pickle) with metadata that `load_scales` checks against the model and the spec.
+into the fixed scales of a `:static` KV spec (per tensor, head or channel), the means of `:center`
+and the maps of `:smooth`, saved in a scale file (scalefile.py: safetensors, checked on load).
 
 Observers give one range per scale group, keys and values apart: `minmax` (nothing seen clips),
 `percentile:P` (numpy's "linear" percentiles: rare outliers clip so the rest get finer steps) and
@@ -16,26 +16,18 @@ int8 ("int", absmax / 127; vLLM itself serves fp8 KV caches only); other specs a
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import json
 import math
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from .model import Config, Transformer
+from .model import Transformer
 from .plots import plot_channels
 from .quant import KVSpec, QuantParams, Transform, compute_scales, layer_transforms
-
-FORMAT = "tinykv-kv-scales/1"  # metadata["format"] of a scale file
-
-
-class CalibrationError(ValueError):
-    """A user mistake around calibration (bad observer, wrong or missing file); one line."""
+from .scalefile import FORMAT, CalibrationError, fingerprint, load_scales, save_scales  # noqa: F401
 
 
 class Recorder:
@@ -259,107 +251,6 @@ def calibrated(model: Transformer, tokens: list[int], spec: KVSpec, observer: st
     if spec.k.static or spec.v.static:
         out.update(static_scales(k, v, spec, observer))
     return out, k, v
-
-
-def fingerprint(cfg: Config) -> dict[str, str]:
-    """What a scale file must agree on with the model: shapes, and a hash of the whole config."""
-    blob = json.dumps(dataclasses.asdict(cfg), sort_keys=True, default=str).encode()
-    return {"model_type": cfg.model_type, "n_layers": str(cfg.n_layers),
-            "n_kv_heads": str(cfg.n_kv_heads), "head_dim": str(cfg.head_dim),
-            "config_hash": hashlib.sha256(blob).hexdigest()[:16]}
-
-
-def save_scales(path: str | Path, scales: dict[str, torch.Tensor], cfg: Config, spec: KVSpec,
-                observer: str, tokens: int) -> None:
-    """A scale file: the tensors as float32 safetensors, with what `load_scales` checks."""
-    meta = {"format": FORMAT, "spec": str(spec), "observer": observer, "tokens": str(tokens),
-            **fingerprint(cfg)}
-    save_file({n: t.float().contiguous() for n, t in scales.items()}, str(path), metadata=meta)
-
-
-def load_scales(path: str | Path, cfg: Config, spec: KVSpec) -> dict[str, torch.Tensor]:
-    """Static scales from a calibration file, checked against the model and the spec's static
-    parts."""
-    if not Path(path).is_file():
-        raise CalibrationError(f"scale file not found: {path}")
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-            tensors = {n: f.get_tensor(n) for n in f.keys()}
-    except (SafetensorError, OSError) as e:
-        first_line = str(e).splitlines()[0]
-        raise CalibrationError(f"{path} is not a safetensors file: {first_line}") from None
-    if meta.get("format") != FORMAT:
-        raise CalibrationError(f"{path} is not a tinykv scale file (made by `tinykv calibrate`)")
-    diff = [f"{k} {meta.get(k)} != {v}" for k, v in fingerprint(cfg).items() if meta.get(k) != v]
-    if diff:
-        raise CalibrationError(f"{path} was calibrated for another model "
-                               f"({', '.join(diff)} of this one)")
-    file_spec = KVSpec.parse(meta["spec"])
-    if file_spec.skip != spec.skip:
-        raise CalibrationError(f"{path} was calibrated for skip={file_spec.skip or 'none'}, "
-                               f"not skip={spec.skip or 'none'} (it is for '{file_spec}')")
-    if not spec.needs_scales:
-        raise CalibrationError(f"--kv-scales given but KV spec '{spec}' has no static, "
-                               f"centered or smoothed part ({path}: '{file_spec}')")
-    out = {}
-    for name, p, fp in (("k", spec.k, file_spec.k), ("v", spec.v, file_spec.v)):
-        if p.center:
-            out[f"{name}_center"] = _center_of(path, tensors, name, cfg, fp, file_spec)
-        if p.smooth:
-            out["k_smooth"] = _smooth_of(path, tensors, cfg, p, fp, file_spec)
-        if not p.static:
-            continue  # a dynamic or plain-cast part takes no scales from the file
-        if p != fp:
-            raise CalibrationError(f"{path} holds scales for {name}={fp}, not {name}={p} "
-                                   f"(it is for '{file_spec}')")
-        shape = (cfg.n_layers, *p.scale_shape(cfg.n_kv_heads, 1, cfg.head_dim))
-        kinds = ["scale"] if p.sym else ["scale", "zero"]
-        for kind in kinds:
-            x = tensors.get(f"{name}_{kind}")
-            valid = (x is not None and tuple(x.shape) == shape and bool(x.isfinite().all())
-                     and not (kind == "scale" and bool((x <= 0).any())))
-            if not valid:
-                raise CalibrationError(f"{path}: tensor {name}_{kind} is missing, misshapen "
-                                       f"(want {shape}) or invalid")
-            out[f"{name}_{kind}"] = x.float()
-    return out
-
-
-def _center_of(path: str | Path, tensors: dict[str, torch.Tensor], name: str, cfg: Config,
-               fp: QuantParams, file_spec: KVSpec) -> torch.Tensor:
-    """The file's means (L, H, D) for a centered part, checked."""
-    if not fp.center:
-        raise CalibrationError(f"{path} holds no means for {name} (it is for '{file_spec}'; "
-                               f"calibrate a spec whose {name} part has :center)")
-    x = tensors.get(f"{name}_center")
-    shape = (cfg.n_layers, cfg.n_kv_heads, cfg.head_dim)
-    if x is None or tuple(x.shape) != shape or not bool(x.isfinite().all()):
-        raise CalibrationError(f"{path}: tensor {name}_center is missing, misshapen (want "
-                               f"{shape}) or invalid")
-    return x.float()
-
-
-def _smooth_of(path: str | Path, tensors: dict[str, torch.Tensor], cfg: Config, p: QuantParams,
-               fp: QuantParams, file_spec: KVSpec) -> torch.Tensor:
-    """The file's key smoothing maps (L, H, D, D), checked: fitted to keys centered as p's are,
-    finite and invertible."""
-    if not fp.smooth:
-        raise CalibrationError(f"{path} holds no smoothing maps for k (it is for '{file_spec}'; "
-                               "calibrate a spec whose k part has :smooth)")
-    if fp.center != p.center:
-        fitted = "centered" if fp.center else "uncentered"
-        raise CalibrationError(f"{path} holds smoothing maps fitted to {fitted} keys (it is for "
-                               f"'{file_spec}'); calibrate k={p}")
-    x = tensors.get("k_smooth")
-    shape = (cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, cfg.head_dim)
-    valid = x is not None and tuple(x.shape) == shape and bool(x.isfinite().all())
-    if valid:  # a map the queries cannot undo would change every score
-        valid = bool((torch.linalg.cond(x.double()) < 1e8).all())
-    if not valid:
-        raise CalibrationError(f"{path}: tensor k_smooth is missing, misshapen (want {shape}), "
-                               "not finite or not invertible")
-    return x.float()
 
 
 def export_vllm(scales: dict[str, torch.Tensor], spec: KVSpec, path: str | Path) -> dict:
