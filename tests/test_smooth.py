@@ -14,8 +14,10 @@ from tinykv.calibrate import (
     calibrate,
     export_vllm,
     load_scales,
+    record,
     save_scales,
     smooth_maps,
+    stored_attention,
 )
 from tinykv.quant import (
     KVSpec,
@@ -150,3 +152,41 @@ def test_calibrated_maps_load_and_a_bad_file_is_refused(tmp_path):
     save_file(tensors, bad, metadata=meta)
     with pytest.raises(CalibrationError, match="not invertible"):
         load_scales(bad, m.cfg, spec)
+
+
+def test_stored_attention_is_the_attention_quantized_keys_receive():
+    """Against torch's attention with one-hot values (its output rows are the probabilities)."""
+    m = tiny()
+    toks = torch.randint(0, 128, (50,), generator=torch.Generator().manual_seed(4)).tolist()
+    rec = record(m, toks, window=32, keep_q=True)  # windows of 32 and 18 tokens
+    sink, residual = 3, 5
+    got = stored_attention(rec, sink, residual)  # (L, H, 50)
+    H = m.cfg.n_kv_heads
+    for layer in range(m.cfg.n_layers):
+        start = 0
+        for q, k in zip(rec.seen["q"][layer], rec.seen["k"][layer]):  # (Hq | H, n, D)
+            n = k.shape[1]
+            kk = k.repeat_interleave(q.shape[0] // H, 0)
+            probs = torch.nn.functional.scaled_dot_product_attention(
+                q[None], kk[None], torch.eye(n).expand(1, q.shape[0], n, n), is_causal=True)[0]
+            i, j = torch.arange(n)[:, None], torch.arange(n)[None]
+            want = (probs * ((j >= sink) & (i - j >= residual))).sum(1)  # (Hq, n)
+            want = want.unflatten(0, (H, -1)).sum(1)  # (H, n)
+            torch.testing.assert_close(got[layer, :, start:start + n], want, atol=1e-5, rtol=1e-4)
+            start += n
+    assert (got[:, :, :sink] == 0).all() and (got[:, :, 32 - residual:32] == 0).all()
+    no_exact = stored_attention(rec, 0, 0).sum(-1)  # every query's probabilities sum to 1
+    torch.testing.assert_close(no_exact, torch.full_like(no_exact, 50.0 * m.cfg.n_heads / H))
+
+
+def test_weighted_maps_fit_the_weighted_keys():
+    """Weights that select half the keys give the map of that half alone."""
+    k = anisotropic(2000, 16, 6, 0.8).float()[None, None]  # (1, 1, T, D)
+    q = anisotropic(2000, 16, 7, 0.9).float()[None, None]
+    w = torch.zeros(1, 1, 2000)
+    w[..., :1000] = 1.0
+    half = smooth_maps(k[:, :, :1000], q)
+    torch.testing.assert_close(smooth_maps(k, q, w), half, atol=1e-5, rtol=1e-4)
+    assert not torch.allclose(smooth_maps(k, q), half, atol=1e-3)
+    zero = smooth_maps(k, q, torch.zeros(1, 1, 2000))  # nothing read quantized: all alike
+    torch.testing.assert_close(zero, smooth_maps(k, q))

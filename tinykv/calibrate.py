@@ -147,12 +147,34 @@ def _psd_power(m: torch.Tensor, power: float) -> torch.Tensor:
     return u @ torch.diag_embed(w.clamp(min=torch.finfo(w.dtype).tiny) ** power) @ u.mT
 
 
-def smooth_maps(k: torch.Tensor, q: torch.Tensor, ridge: float = 1e-2) -> torch.Tensor:
+def stored_attention(rec: Recorder, sink: int, residual: int) -> torch.Tensor:
+    """(L, H, T): the attention each recorded key receives, from the queries of its window (and
+    of its KV head), while a cache holds it quantized: once it is no sink and at least `residual`
+    tokens behind the query. Exact keys cannot be hurt by quantizing, so they weigh nothing."""
+    L, H = len(rec.seen["k"]), rec.seen["k"][0][0].shape[0]
+    out = []
+    for layer in range(L):
+        pieces = []
+        for q, k in zip(rec.seen["q"][layer], rec.seen["k"][layer]):  # one window each
+            n_rep, n, d = q.shape[0] // H, q.shape[1], q.shape[2]
+            scores = q.unflatten(0, (H, n_rep)) @ k[:, None].mT / d**0.5  # (H, n_rep, n, n)
+            i = torch.arange(n)[:, None]  # query position
+            j = torch.arange(n)[None]  # key position
+            probs = scores.masked_fill(j > i, float("-inf")).softmax(-1)
+            quantized = (j >= sink) & (i - j >= residual)  # (n, n)
+            pieces.append((probs * quantized).sum((1, 2)))  # (H, n)
+        out.append(torch.cat(pieces, 1))
+    return torch.stack(out)  # (L, H, T)
+
+
+def smooth_maps(k: torch.Tensor, q: torch.Tensor, weight: torch.Tensor | None = None,
+                ridge: float = 1e-2) -> torch.Tensor:
     """The `:smooth` map S (L, H, D, D) of each head from recorded keys (L, H, T, D), centered
-    if the spec centers them, and queries (L, Hq, T, D).
+    if the spec centers them, and queries (L, Hq, T, D); `weight` (L, H, T) weighs each key by
+    how much its errors matter (stored_attention), uniform when None.
 
     Stored keys k S are quantized with error about as large in every stored channel (rotated,
-    per-token scales), of a size set by |k S|. With Kc = E[k^T k] and Qc = E[q^T q] over the
+    per-token scales), of a size set by |k S|. With Kc = E_w[k^T k] and Qc = E[q^T q] over the
     head's queries, and M = S S^T, the expected score error E[(q S^-T . err)^2] goes as
     tr(Kc M) * tr(Qc M^-1), which is smallest for the matrix geometric mean of Kc^-1 and Qc:
     M = Kc^-1/2 (Kc^1/2 Qc Kc^1/2)^1/2 Kc^-1/2 (the M with M Kc M = Qc). S = M^1/2, scaled so
@@ -162,7 +184,10 @@ def smooth_maps(k: torch.Tensor, q: torch.Tensor, ridge: float = 1e-2) -> torch.
     n_rep = q.shape[1] // H
     kd = k.double()
     qd = q.double().unflatten(1, (H, n_rep))  # (L, H, n_rep, T, D)
-    kc = kd.mT @ kd / T  # (L, H, D, D)
+    w = torch.ones(L, H, T, dtype=torch.float64) if weight is None else weight.double()
+    total = w.sum(-1, keepdim=True)  # 0 where no key is ever read quantized: weigh all alike
+    w = torch.where(total > 0, w / total.clamp(min=1e-300), 1.0 / T)
+    kc = (kd * w[..., None]).mT @ kd  # (L, H, D, D)
     qc = torch.einsum("lhrtd,lhrte->lhde", qd, qd) / (T * n_rep)  # (L, H, D, D)
     eye = torch.eye(D, dtype=torch.float64)
     for c in (kc, qc):
@@ -245,7 +270,8 @@ def calibrated(model: Transformer, tokens: list[int], spec: KVSpec, observer: st
     out = centers_of(k, v, spec)
     if spec.k.smooth:  # S is fitted to the keys as it meets them: after centering
         centered = k - out["k_center"][:, :, None] if spec.k.center else k
-        out["k_smooth"] = smooth_maps(centered, rec.stacked("q"))
+        weight = stored_attention(rec, spec.sink, spec.residual)  # (L, H, T)
+        out["k_smooth"] = smooth_maps(centered, rec.stacked("q"), weight)
     transforms = layer_transforms(spec, model.cfg.n_layers, model.cfg.head_dim, out)
     k, v = as_cached(k, "k", transforms), as_cached(v, "v", transforms)
     if spec.k.static or spec.v.static:
