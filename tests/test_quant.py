@@ -131,6 +131,19 @@ def test_pack_bit_order():
     assert stored.tolist() == [[[0xF1]]]
 
 
+def test_sym_int2_is_midrise():
+    """Four levels, -1.5..1.5 steps, absmax on the outer ones: all four codes are used (a zero
+    level would leave three)."""
+    p = QuantParams.parse("int2")
+    x = torch.tensor([[[-3.0, -1.0, 1.0, 3.0, 0.9, -0.1, 2.1, -2.9]]])  # (H, T, D)
+    scale, zero = compute_scales(x, p)
+    assert zero is None and scale.item() == 2.0  # absmax 3 is 1.5 steps
+    stored, n_sat = quantize(x, p, scale, zero)
+    assert unpack(stored, 4).tolist() == [[[0, 1, 2, 3, 2, 1, 3, 0]]] and n_sat == 0
+    want = torch.tensor([[[-3.0, -1.0, 1.0, 3.0, 1.0, -1.0, 3.0, -3.0]]])
+    assert torch.equal(dequantize(stored, p, scale, zero), want)
+
+
 @pytest.mark.parametrize("spec", ["int8", "int4:asym", "int2:g4", "int8:channel:asym", "fp8",
                                   "int4:head"])
 def test_all_zero_and_constant(spec):
@@ -138,7 +151,10 @@ def test_all_zero_and_constant(spec):
     zeros = torch.zeros(2, 3, 8)
     scale, zero, _, n_sat, y = roundtrip(zeros, p)
     assert (scale > 0).all() and scale.float().isfinite().all() and n_sat == 0
-    assert torch.equal(y, zeros)
+    if p.qmax % 1:  # midrise (sym int2): no zero level, 0 comes back half a (tiny) step off
+        assert (y.abs() == expand(scale, y).float() / 2).all() and (scale < 1e-4).all()
+    else:
+        assert torch.equal(y, zeros)
     for c in (3.7, -0.02, 1234.5):
         x = torch.full((2, 3, 8), c)
         scale, _, _, n_sat, y = roundtrip(x, p)
@@ -221,7 +237,7 @@ def test_params_properties():
                                     "fp8"]}
     assert [(p.qmin, p.qmax, p.offset, p.per_byte, p.bits) for p in q.values()] == [
         (-127, 127, 0, 1, 8), (0, 255, 0, 1, 8), (-7, 7, 8, 2, 4), (0, 15, 0, 2, 4),
-        (-1, 1, 2, 4, 2), (0, 3, 0, 4, 2), (-448, 448, 0, 1, 8)]
+        (-1.5, 1.5, 1.5, 4, 2), (0, 3, 0, 4, 2), (-448, 448, 0, 1, 8)]  # sym int2: midrise
     storage = [torch.int8] + [torch.uint8] * 5 + [torch.float8_e4m3fn]
     assert [p.storage_dtype for p in q.values()] == storage
     assert q["fp8"].gran == "tensor" and q["int8"].gran == "token"

@@ -94,7 +94,7 @@ def _dequant(pool, blk, h, t0, nt, out, out3, srow, zrow):
                 out[t, 4 * c + 3] = np.float32(b >> 6)
     if fmt <= BF16:
         return
-    G, gs, has_zero, offset = meta[4], meta[5], meta[2], np.float32(meta[3])
+    G, gs, has_zero, offset = meta[4], meta[5], meta[2], np.float32(meta[3]) / np.float32(2)
     sb, sst, ssg = blk * meta[9] + h * meta[10] + t0 * meta[11], meta[11], meta[12]
     if sst == 0:  # one scale row for all tokens (block-wise, static): expand it per channel
         for g in range(G):

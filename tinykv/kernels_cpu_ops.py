@@ -205,7 +205,8 @@ def _pool(t: PoolLayer, H: int, BS: int, D: int) -> tuple:
         sz.append(np.zeros(1, np.uint16) if x is None or kind == F32 else _np(x))
         sz.append(np.zeros(1, np.float32) if x is None or kind != F32 else _np(x))
     strides = [0] * 4 if s is None else [0 if n == 1 else st for n, st in zip(s.shape, s.stride())]
-    meta = [fmt, kind, z is not None, p.offset, G, D // G, D // pb, H * BS, BS, *strides]
+    # meta is int64: the offset goes in half steps (sym int2's is 1.5)
+    meta = [fmt, kind, z is not None, int(2 * p.offset), G, D // G, D // pb, H * BS, BS, *strides]
     return rows.view(np.uint8), d16, d32, *sz, np.array(meta, dtype=np.int64)
 
 

@@ -34,6 +34,7 @@ def _store_kernel(x, blk, off, sp, qmax, lo, hi, slack, room, tiny, big, dynamic
     d8, d16, d32, s16, s32, z16, z32, meta = sp
     n, H, D = x.shape
     fmt, kind, has_zero, G, gs, dp = meta[0], meta[1], meta[2], meta[4], meta[5], meta[6]
+    offset = np.float32(meta[3]) / np.float32(2)  # meta holds it in half steps
     pb = D // dp  # codes per stored byte
     codes = np.empty(D, np.int64)
     count = 0
@@ -67,7 +68,7 @@ def _store_kernel(x, blk, off, sp, qmax, lo, hi, slack, room, tiny, big, dynamic
                         zf = min(max(np.rint(-mn / _half(s16[si], kind)), -room), qmax + room)
                         z16[si] = _to_half(zf, kind)
                 scale = _load(s16, s32, kind, si)
-                zero = _load(z16, z32, kind, si) if has_zero else np.float32(meta[3])
+                zero = _load(z16, z32, kind, si) if has_zero else offset
                 for c in range(gs):
                     xv = xs[c]
                     nan = xv != xv

@@ -5,7 +5,8 @@ spec.py).
 Every tensor is shaped (..., H, T, D): heads, tokens, channels last. Scales and zero points
 are shaped (..., H|1, T|1, G) where channel c belongs to group c // (D // G), so one formula
 dequantizes every granularity: x = (q - zero) * scale. Symmetric formats have no zero
-tensor; the constant `offset` takes its place (sym int4/int2 codes are stored unsigned).
+tensor; the constant `offset` takes its place (sym int4/int2 codes are stored unsigned; sym int2
+is midrise, offset 1.5: its four codes are -1.5, -0.5, 0.5 and 1.5 steps).
 """
 
 from __future__ import annotations

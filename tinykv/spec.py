@@ -158,25 +158,32 @@ class QuantParams:
         return {"int4": 2, "int2": 4}.get(self.dtype, 1)
 
     @property
-    def offset(self) -> int:
-        """Stored code minus offset is the signed value: sym int4/int2 codes are stored unsigned."""
+    def offset(self) -> float:
+        """Stored code minus offset is the signed value: sym int4/int2 codes are stored unsigned.
+        Sym int2 is midrise (qmax)."""
+        if self.sym and self.dtype == "int2":
+            return 1.5
         if self.sym and self.per_byte > 1:
             return 2 ** (self.bits - 1)
         return 0
 
     @property
-    def qmax(self) -> int:
-        """Largest code: the signed range (sym), the code range (asym), 448 for fp8."""
+    def qmax(self) -> float:
+        """Largest value in steps: the signed range (sym), the code range (asym), 448 for fp8.
+        Sym int8/int4 keep a zero level (-qmax..qmax: 255 and 15 levels). Sym int2 does not: a
+        zero level would leave 3 of its 4 codes, so it is midrise, -1.5, -0.5, 0.5, 1.5 steps."""
         if self.is_float:
             return 0
         if self.dtype == "fp8":
             return int(FP8_MAX)
+        if self.sym and self.dtype == "int2":
+            return 1.5
         if self.sym:
             return 2 ** (self.bits - 1) - 1
         return 2**self.bits - 1
 
     @property
-    def qmin(self) -> int:
+    def qmin(self) -> float:
         return -self.qmax if self.sym else 0
 
     @property
