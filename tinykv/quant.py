@@ -75,9 +75,9 @@ class Transform:
 
     def queries(self, q: torch.Tensor) -> torch.Tensor:
         """q (..., Hq, D) as the kernels meet it."""
-        if self.sq is not None:
-            n_rep = q.shape[-2] // self.sq.shape[0]  # GQA: the query heads of each KV head
-            q = torch.einsum("...hd,hde->...he", q, self.sq.repeat_interleave(n_rep, 0))
+        if self.sq is not None:  # GQA: the n_rep query heads of KV head h share its map
+            qg = q.unflatten(-2, (self.sq.shape[0], -1))  # (..., H, n_rep, D)
+            q = torch.einsum("...hrd,hde->...hre", qg, self.sq).flatten(-3, -2)
         return q if self.rk is None else q @ self.rk  # (..., Hq, D)
 
     def keys(self, k: torch.Tensor) -> torch.Tensor:
