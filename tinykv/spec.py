@@ -19,7 +19,8 @@ GRANS = ("tensor", "head", "channel", "token")  # plus gN, held as gran="group",
 _FLOAT = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 _BITS = {"fp32": 32, "fp16": 16, "bf16": 16, "fp8": 8, "int8": 8, "int4": 4, "int2": 2}
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
-_TRANSFORMS = "rot, center or smooth"  # the PART options applied around the kernels
+TRANSFORMS = ("rot", "center", "smooth")  # PART flags applied around the kernels, in order
+_TRANSFORMS = "rot, center or smooth"  # the same, for messages
 
 
 class SpecError(ValueError):
@@ -60,7 +61,7 @@ def _option_key(opt: str) -> str | None:
         return "sym"
     if opt in ("static", "dynamic"):
         return "static"
-    if opt in ("rot", "center", "smooth"):
+    if opt in TRANSFORMS:
         return opt
     return None
 
@@ -96,7 +97,7 @@ class QuantParams:
         prefix)."""
         spec = part if spec is None else spec
         dtype, *opts = (t.strip() for t in part.split(":"))
-        if dtype in _FLOAT and not set(opts) <= {"rot", "center", "smooth"}:
+        if dtype in _FLOAT and not set(opts) <= set(TRANSFORMS):
             raise _fail(spec, f"{dtype} is stored by plain cast and takes no options but "
                         f"{_TRANSFORMS}", part)
         kw: dict = {}
@@ -107,7 +108,7 @@ class QuantParams:
                             f"sym|asym, static|dynamic, {_TRANSFORMS})", part)
             if key in kw:
                 raise _fail(spec, f"{key} given twice", part)
-            kw[key] = o if key == "gran" else o in ("sym", "static", "rot", "center", "smooth")
+            kw[key] = o if key == "gran" else o in ("sym", "static", *TRANSFORMS)
         gran, group = kw.get("gran", _default_gran(dtype)), 0
         if gran not in GRANS:  # gN
             digits = gran[1:]
@@ -118,7 +119,7 @@ class QuantParams:
         why = _problem(*fields)
         if why:
             raise _fail(spec, why, part)
-        return cls(*fields, *(kw.get(t, False) for t in ("rot", "center", "smooth")))
+        return cls(*fields, *(kw.get(t, False) for t in TRANSFORMS))
 
     def __str__(self) -> str:
         out = self.dtype
