@@ -1,5 +1,5 @@
-"""Tests for tinykv/kernels_cpu.py: the Numba kernels against their torch references (kernels.py)
-and, for attention, against float64 math (test_reference.attention_f64).
+"""Tests for tinykv/kernels/cpu.py: the Numba kernels against their torch references
+(kernels/reference.py) and, for attention, against float64 math (test_reference.attention_f64).
 
 The first run compiles both kernels (~30 s on 2 cores); Numba caches them beside the module.
 """
@@ -12,14 +12,14 @@ import torch
 from pools import ATTN_CASES, make_batch, make_pool
 from test_reference import attention_f64
 
-from tinykv import kernels_cpu
-from tinykv.kernels import merge_partials, paged_attention_ref, quantize_store_ref
+from tinykv.kernels import cpu as kernels_cpu
+from tinykv.kernels.reference import merge_partials, paged_attention_ref, quantize_store_ref
 from tinykv.quant import QuantParams
 
 if not kernels_cpu.AVAILABLE:
     pytest.skip(kernels_cpu.REASON, allow_module_level=True)
 
-from tinykv.kernels_cpu import paged_attention_cpu, quantize_store_cpu  # noqa: E402
+from tinykv.kernels.cpu import paged_attention_cpu, quantize_store_cpu  # noqa: E402
 
 TOL = dict(atol=3e-5, rtol=3e-5)
 
@@ -119,7 +119,7 @@ def test_attention_empty_and_layout_checks():
 
 
 def test_module_imports_without_numba():
-    code = ("import sys; sys.modules['numba'] = None; from tinykv import kernels_cpu as m; "
+    code = ("import sys; sys.modules['numba'] = None; from tinykv.kernels import cpu as m; "
             "assert not m.AVAILABLE and 'numba' in m.REASON; print(m.REASON)")
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
 

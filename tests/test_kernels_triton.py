@@ -1,4 +1,4 @@
-"""Tests for tinykv/kernels_triton.py: the Triton kernels against their torch references.
+"""Tests for tinykv/kernels/triton.py: the Triton kernels against their torch references.
 
 Without a GPU the kernels run in Triton's interpreter, so shapes are small and the grid of cases
 is a curated list that covers every axis (formats, granularities, group sizes, head dims, block
@@ -28,9 +28,9 @@ if TOO_LATE:
 
 from pools import ATTN_CASES, DEV, make_batch, make_pool  # noqa: E402
 
-from tinykv.kernels import merge_partials, paged_attention_ref, quantize_store_ref  # noqa: E402
-from tinykv.kernels_triton import blocks_per_iter, paged_attention_triton  # noqa: E402
-from tinykv.kernels_triton_store import quantize_store_triton  # noqa: E402
+from tinykv.kernels.reference import merge_partials, paged_attention_ref, quantize_store_ref  # noqa: E402
+from tinykv.kernels.triton import blocks_per_iter, paged_attention_triton  # noqa: E402
+from tinykv.kernels.triton_store import quantize_store_triton  # noqa: E402
 from tinykv.quant import QuantParams  # noqa: E402
 
 

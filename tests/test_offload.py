@@ -7,7 +7,7 @@ from test_cache import tiny
 import tinykv.generate as gen_mod
 from tinykv.cache import make_cache
 from tinykv.generate import Engine, Sampling
-from tinykv.kernels import merge_partials
+from tinykv.kernels.reference import merge_partials
 from tinykv.offload import DISK, HOST, STORE, OffloadConfig, OffloadError
 from tinykv.quant import KVSpec
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 from pools import ATTN_CASES, make_batch, make_pool
 
-from tinykv.kernels import PoolLayer, paged_attention_ref
+from tinykv.kernels import PoolLayer
+from tinykv.kernels.reference import paged_attention_ref
 from tinykv.quant import dequantize
 
 

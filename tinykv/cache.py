@@ -5,7 +5,7 @@ Three parts, each readable alone: the block tables (tables.py, plain Python: whi
 sequence holds, prefix sharing, copy on write, the offload policy), the pools (pools.py: tensors,
 quantize on store, sizes), and here the step's `Plan` and attention: the store pool, the hot
 blocks and offloaded chunks are attended apart and merged exactly by log-sum-exp. The kernels
-are chosen once, when the cache is built (attention.py).
+are chosen once, when the cache is built (kernels/__init__.py).
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 import torch
 
 from . import evict
-from .attention import Kernels, select_kernels
 from .blocks import DISK, HOST, HOT, STORE, CacheError, PoolExhausted
-from .kernels import gather_dequant, merge_partials
+from .kernels import Kernels, select_kernels
+from .kernels.reference import gather_dequant, merge_partials
 from .model import Config
 from .offload import OffloadConfig, Offloader
 from .pools import KVPools, block_bytes, check_memory, hot_blocks
@@ -197,7 +197,7 @@ class PagedKVCache:
         tables = self._tables(seq_ids)
         chunks = []
         if self.offload:
-            one_pass = self.kernels.name != "triton" and dev.type == "cpu"
+            one_pass = self.kernels.reads_host_memory
             tiers = (STORE, HOST, DISK) if one_pass else (HOST, DISK)
             entries = self.tables.placed(seq_ids, tiers)
             chunks = self.offload.plan_chunks(entries, len(seq_ids), tables[STORE].shape[1],

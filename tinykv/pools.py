@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from .blocks import HOT, CacheError
-from .kernels import PoolLayer
+from .kernels.layout import PoolLayer
 from .model import Config
 from .quant import KVSpec, QuantParams, bytes_per_token, compute_scales, quantize
 
@@ -78,7 +78,7 @@ def make_store_pool(cfg: Config, p: QuantParams, layers: list[int], num_blocks: 
     return StorePool(p, data, scale, zero)
 
 
-StoreFn = Callable[..., "torch.Tensor | int"]  # the quantize_store_ref signature (kernels.py)
+StoreFn = Callable[..., "torch.Tensor | int"]  # the quantize_store_ref signature
 
 
 @dataclass

@@ -29,9 +29,10 @@ from pathlib import Path
 
 import torch
 
-from ..kernels import PoolLayer, paged_attention_ref
-from ..kernels_triton import triton
-from ..kernels_triton_aot import Variant
+from ..kernels.layout import PoolLayer
+from ..kernels.reference import paged_attention_ref
+from ..kernels.triton import triton
+from ..kernels.triton_aot import Variant
 from ..quant import KVSpec, QuantParams, bytes_per_token, compute_scales, quantize
 
 SHAPES = {"SmolLM2-135M": (9, 3, 64), "Llama-3-8B": (32, 8, 128)}  # query heads, KV heads, head dim
@@ -128,7 +129,7 @@ def bench_kernel(specs: list[str], block_size: int = 16, reps: int | None = None
     elif not cuda:
         notes.append("fused kernel timed in Triton's CPU interpreter: correctness only, not speed")
     if fused:
-        from ..kernels_triton import paged_attention_triton
+        from ..kernels.triton import paged_attention_triton
     batches, contexts = GRIDS["quick" if quick else "full"]
     BS = block_size
     reps = reps or (20 if cuda else 2)
@@ -203,7 +204,7 @@ def _print_row(r: dict, header: bool) -> None:
 # set TRITON_INTERPRET=1 (tests without a GPU) cannot compile; a fresh one without it can.
 _AOT_CHILD = """
 import json, sys
-from tinykv.kernels_triton_aot import Variant, aot_compile
+from tinykv.kernels.triton_aot import Variant, aot_compile
 job = json.load(sys.stdin)
 rows = aot_compile([Variant(**v) for v in job["variants"]], tuple(job["caps"]), job["jobs"])
 print(json.dumps(rows))

@@ -23,8 +23,7 @@ import math
 import numpy as np
 import torch
 
-from .kernels import PoolLayer, merge_stacked, paged_attention_ref
-from .kernels_cpu_ops import (
+from .cpu_numerics import (
     _FM,
     AVAILABLE,
     BF16,
@@ -47,7 +46,9 @@ from .kernels_cpu_ops import (
     numba,
     prange,
 )
-from .kernels_cpu_store import quantize_store_cpu  # noqa: F401  (the store, beside attention)
+from .cpu_store import quantize_store_cpu  # noqa: F401  (the store, beside attention)
+from .layout import PoolLayer
+from .reference import merge_stacked, paged_attention_ref
 
 TILE = 16  # tokens dequantized at a time: the K and V tiles stay in L1
 # Rows with more queries (prefill chunks) go to the reference: measured at the default model's

@@ -1,12 +1,12 @@
 """Triton kernels for the paged, quantized KV cache: fused dequant-attention here, quantize-on-store
-in kernels_triton_store.py (kernels_triton_aot.py compiles both ahead of time without a GPU). Each
-has a torch reference with the identical signature in kernels.py (read it first): the reference
-says what is computed, the kernel how it is done fast on a GPU.
+in triton_store.py (triton_aot.py compiles both ahead of time without a GPU). Each has a torch
+reference with the identical signature in reference.py (read it first): the reference says what is
+computed, the kernel how it is done fast on a GPU.
 
-Storage formats are one of three KINDs: 0 float (a plain cast), 1 integer codes of BITS bits
-(8 // BITS per byte, the low bits holding the even channel), 2 fp8 e4m3, read as its uint8 bits so
-that one code path serves every GPU, every Triton 3.x and the interpreter. Only core `tl` APIs are
-used: the kernels run on older Triton 3.x and torch 2.4+ too.
+A stored format's KIND is layout.StoredFormat's family: 0 float (a plain cast), 1 integer codes of
+BITS bits (8 // BITS per byte, the low bits holding the even channel), 2 fp8 e4m3, read as its
+uint8 bits so that one code path serves every GPU, every Triton 3.x and the interpreter. Only core
+`tl` APIs are used: the kernels run on older Triton 3.x and torch 2.4+ too.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .kernels import PoolLayer, merge_stacked
-from .quant import QuantParams
+from .layout import FP8, PoolLayer, ScaleStrides, StoredFormat, check_layout, stored_format
+from .reference import merge_stacked
 
 try:
     import triton
@@ -51,59 +51,36 @@ class PoolArgs:
     stride_block: int
     stride_head: int
     stride_token: int
-    scale_stride_block: int  # 0 for static (per-layer) scales
-    scale_stride_head: int  # 0 for per-tensor scales
-    scale_stride_token: int  # 0 unless per-token or per-group scales
-    scale_stride_group: int
-    offset: float  # stored code of 0 for symmetric int4/int2 (their codes are unsigned)
-    group_size: int  # channels sharing one scale
-    kind: int  # 0 float, 1 integer codes, 2 fp8
-    bits: int  # bits per code: 8 unless packed
-    has_zero: bool
-    static: bool  # one set of scales per layer (calibrated), shared by every block and token
+    scale_strides: ScaleStrides
+    fmt: StoredFormat
 
-
-def _broadcast_strides(t: torch.Tensor) -> list[int]:
-    """Strides with 0 on size-1 dims: a shared scale is read at the same address for every index."""
-    return [0 if n == 1 else st for n, st in zip(t.shape, t.stride(), strict=True)]
-
-
-def _kind(p: QuantParams) -> int:
-    """The KIND constexpr: 0 float, 1 integer codes, 2 fp8."""
-    if p.is_float:
-        return 0
-    if p.dtype == "fp8":
-        return 2
-    return 1
+    def kernel_args(self, prefix: str = "") -> dict:
+        """The kernels' arguments for this pool: `{prefix}_data` .. `{PREFIX}_STATIC` (unprefixed
+        `data` .. `STATIC` for the store kernel, which reads one pool)."""
+        ss, fmt = self.scale_strides, self.fmt
+        args = dict(
+            data=self.data, scale=self.scale, zero=self.zero, stride_block=self.stride_block,
+            stride_head=self.stride_head, stride_token=self.stride_token,
+            scale_stride_block=ss.block, scale_stride_head=ss.head, scale_stride_token=ss.token,
+            scale_stride_group=ss.group, offset=fmt.offset,
+            KIND=fmt.family, BITS=8 // fmt.per_byte, HAS_ZERO=fmt.has_zero,
+            GROUP_SIZE=fmt.group_size, STATIC=fmt.static)
+        if not prefix:
+            return args
+        return {(f"{prefix.upper()}_{name}" if name.isupper() else f"{prefix}_{name}"): value
+                for name, value in args.items()}
 
 
 def _pool_args(pool: PoolLayer, H: int, BS: int, D: int, what: str) -> PoolArgs:
     """The kernel arguments of one pool, after checking its layout (`what` names it in errors)."""
-    p, data, s, z = pool.p, pool.data, pool.scale, pool.zero
-    G = 1 if s is None else s.shape[-1]
-    want = (H, BS, D // p.per_byte)
-    assert data.dim() == 4 and tuple(data.shape[1:]) == want and D % G == 0, \
-        f"{what}: data {tuple(data.shape)} is not (NB, {H}, {BS}, {D // p.per_byte})"
-    assert data.stride(-1) == 1, f"{what}: channels must be contiguous"
-    assert data.dtype == p.storage_dtype, f"{what}: {p} is stored as {p.storage_dtype}"
-    assert (s is None) == p.is_float, f"{what}: a scale is needed exactly for quantized formats"
-    assert (z is None) == (p.sym or p.is_float), f"{what}: a zero point is needed exactly for asym"
-    full = (data.shape[0], H, BS, G)
-    broadcasts = s is None or (s.dim() == 4 and all(
-        n in (1, m) for n, m in zip(s.shape, full, strict=True)))
-    assert broadcasts, f"{what}: scale {tuple(s.shape)} does not broadcast to {full}"
-    ss = [0, 0, 0, 0] if s is None else _broadcast_strides(s)
-    assert z is None or (z.shape == s.shape and _broadcast_strides(z) == ss), \
-        f"{what}: zero is laid out unlike scale"
-    if p.dtype == "fp8":
-        data = data.view(torch.uint8)
-    kind = _kind(p)
+    scale_strides = check_layout(pool, H, BS, D, what)
+    fmt = stored_format(pool.p, D)
+    data = pool.data.view(torch.uint8) if fmt.family == FP8 else pool.data
     return PoolArgs(
-        data=data, scale=data if s is None else s, zero=data if z is None else z,
+        data=data, scale=data if pool.scale is None else pool.scale,
+        zero=data if pool.zero is None else pool.zero,
         stride_block=data.stride(0), stride_head=data.stride(1), stride_token=data.stride(2),
-        scale_stride_block=ss[0], scale_stride_head=ss[1], scale_stride_token=ss[2],
-        scale_stride_group=ss[3], offset=float(p.offset), group_size=D // G, kind=kind,
-        bits=p.bits if kind == 1 else 8, has_zero=z is not None, static=p.static)
+        scale_strides=scale_strides, fmt=fmt)
 
 
 @_jit
@@ -294,22 +271,7 @@ def _attn_args(q: torch.Tensor, q_seq: torch.Tensor, q_pos: torch.Tensor, k: Poo
         q_pos=_i32(q_pos), table=table, table_stride_row=table.stride(0), ctx_lens=_i32(ctx_lens),
         o=o, lse=lse, n_queries=N, max_blocks=table.shape[1],
         qk_scale=sm_scale * math.log2(math.e),  # scores in log2 units: the kernel uses exp2
-        k_data=ka.data, k_scale=ka.scale, k_zero=ka.zero,
-        k_stride_block=ka.stride_block, k_stride_head=ka.stride_head,
-        k_stride_token=ka.stride_token,
-        k_scale_stride_block=ka.scale_stride_block, k_scale_stride_head=ka.scale_stride_head,
-        k_scale_stride_token=ka.scale_stride_token, k_scale_stride_group=ka.scale_stride_group,
-        k_offset=ka.offset,
-        v_data=va.data, v_scale=va.scale, v_zero=va.zero,
-        v_stride_block=va.stride_block, v_stride_head=va.stride_head,
-        v_stride_token=va.stride_token,
-        v_scale_stride_block=va.scale_stride_block, v_scale_stride_head=va.scale_stride_head,
-        v_scale_stride_token=va.scale_stride_token, v_scale_stride_group=va.scale_stride_group,
-        v_offset=va.offset,
-        K_KIND=ka.kind, K_BITS=ka.bits, K_HAS_ZERO=ka.has_zero, K_GROUP_SIZE=ka.group_size,
-        K_STATIC=ka.static,
-        V_KIND=va.kind, V_BITS=va.bits, V_HAS_ZERO=va.has_zero, V_GROUP_SIZE=va.group_size,
-        V_STATIC=va.static,
+        **ka.kernel_args("k"), **va.kernel_args("v"),
         N_REP=Hq // H, R=_pow2_at_least_16(Hq // H), D=D, DP=_pow2_at_least_16(D),
         BS=BS, BSP=triton.next_power_of_2(BS), BLOCKS_PER_ITER=blocks_per_iter(BS),
         # The interpreter multiplies bf16 bit patterns as integers: bf16 dots run in fp32 there.

@@ -1,14 +1,14 @@
 """The fused CPU quantize-on-store kernel (numba): quant.compute_scales + quant.quantize in one
 pass over the new tokens, op for op, so its codes and scales match the torch reference bit for
-bit (kernels.quantize_store_ref)."""
+bit (reference.quantize_store_ref)."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from .kernels import PoolLayer
-from .kernels_cpu_ops import (
+from ..quant import FP8_MAX, QuantParams
+from .cpu_numerics import (
     AVAILABLE,
     BF16,
     F32,
@@ -23,7 +23,7 @@ from .kernels_cpu_ops import (
     _to_half,
     njit,
 )
-from .quant import FP8_MAX, QuantParams
+from .layout import PoolLayer
 
 
 @njit(cache=True)

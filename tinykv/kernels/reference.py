@@ -1,37 +1,24 @@
 """Attention over a paged, quantized KV pool, and quantize-on-store: the torch references.
 
-Every fused kernel (kernels_cpu.py, kernels_triton.py) has a reference here with the identical
+Every fused kernel (cpu.py, triton.py and their stores) has a reference here with the identical
 signature. The reference is the readable statement of what the kernels compute and what they are
 tested against, so it uses quant.py's one formula each way: it reads blocks through
 `quant.dequantize` and stores tokens through `quant.compute_scales` and `quant.quantize`.
 
-Pool layout of one layer (see pools.py): `data` (NB, H, BS, D // per_byte) codes;
-`scale`/`zero` (NB|1, H|1, BS|1, G), where G groups split the D channels. A size-1 dim is shared
-(stride 0 once expanded), so one formula `x = (q - zero) * scale` serves every granularity.
-Block tables hold physical block ids, with -1 for "not in this pool": key position of table
-column j, row t of the block is j * BS + t.
+The pool layout of one layer is layout.py's. Block tables hold physical block ids, with -1 for
+"not in this pool": key position of table column j, row t of the block is j * BS + t.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from .quant import QuantParams, compute_scales, dequantize, quantize
+from ..quant import QuantParams, compute_scales, dequantize, quantize
+from .layout import PoolLayer
 
 # (o, lse): attention over a set of keys and the log-sum-exp of its scores, which merges exactly
 # with other sets' (merge_partials)
 Partial = tuple[torch.Tensor, torch.Tensor]
-
-
-@dataclass
-class PoolLayer:
-    """One layer's K (or V) storage: what a kernel needs to read it."""
-    data: torch.Tensor  # (NB, H, BS, D // per_byte)
-    scale: torch.Tensor | None  # (NB|1, H|1, BS|1, G) or None for float storage
-    zero: torch.Tensor | None  # like scale; None when symmetric
-    p: QuantParams
 
 
 def gather_dequant(pool: PoolLayer, table: torch.Tensor) -> torch.Tensor:

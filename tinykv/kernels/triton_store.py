@@ -1,14 +1,14 @@
 """The Triton quantize-on-store kernel: quant.compute_scales + quant.quantize for each new token,
-op for op, so its codes match the torch reference (kernels.quantize_store_ref) bit for bit. The
-storage KINDs and argument packing are kernels_triton.py's."""
+op for op, so its codes match the torch reference (reference.quantize_store_ref) bit for bit. The
+storage KINDs and argument packing are triton.py's."""
 
 from __future__ import annotations
 
 import torch
 
-from .kernels import PoolLayer
-from .kernels_triton import _i32, _jit, _pool_args, tl, triton
-from .quant import FP8_MAX, QuantParams
+from ..quant import FP8_MAX, QuantParams
+from .layout import PoolLayer
+from .triton import _i32, _jit, _pool_args, tl, triton
 
 
 @_jit
@@ -149,13 +149,8 @@ def _store_args(x: torch.Tensor, p: QuantParams, data: torch.Tensor, scale: torc
         slack=0.0 if p.dtype == "fp8" else 0.5,  # saturated: more than half a step outside
         zero_room=float(min(round(2 / fi.eps), 2048) - p.qmax),  # as quant.compute_scales
         scale_tiny=fi.tiny, scale_big=fi.max,
-        data=pa.data, scale=pa.scale, zero=pa.zero,
-        stride_block=pa.stride_block, stride_head=pa.stride_head, stride_token=pa.stride_token,
-        scale_stride_block=pa.scale_stride_block, scale_stride_head=pa.scale_stride_head,
-        scale_stride_token=pa.scale_stride_token, scale_stride_group=pa.scale_stride_group,
-        offset=pa.offset,
-        KIND=pa.kind, BITS=pa.bits, HAS_ZERO=pa.has_zero, DYNAMIC=not p.static,
-        GROUP_SIZE=pa.group_size, PB=p.per_byte, G=G, GP=triton.next_power_of_2(G), D=D,
+        **{name: value for name, value in pa.kernel_args().items() if name != "STATIC"},
+        DYNAMIC=not p.static, PB=p.per_byte, G=G, GP=triton.next_power_of_2(G), D=D,
         CP=triton.next_power_of_2(D // p.per_byte))
 
 

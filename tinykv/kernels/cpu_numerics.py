@@ -1,7 +1,7 @@
-"""Numeric pieces the fused CPU kernels share (kernels_cpu.py attends, kernels_cpu_store.py
-stores): numba, or the flag that says why it is missing; the stored formats as integers; half,
-bf16 and fp8 conversions as integer bits (numba has no float16 on the CPU); the one dequant
-formula `_dq`; a vectorizable exp; and the packing of a pool into kernel arguments.
+"""Numeric pieces the fused CPU kernels share (cpu.py attends, cpu_store.py stores): numba, or the
+flag that says why it is missing; the stored formats as integers; half, bf16 and fp8 conversions as
+integer bits (numba has no float16 on the CPU); the one dequant formula `_dq`; a vectorizable exp;
+and the packing of a pool into kernel arguments.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import platform
 import numpy as np
 import torch
 
-from .kernels import PoolLayer
+from .layout import FLOAT, INT, PoolLayer, check_layout, stored_format
 
 try:
     import numba
@@ -181,20 +181,17 @@ def _pool(t: PoolLayer, H: int, BS: int, D: int) -> tuple:
     layout. d8 is the data as bytes for every format; unused arrays are 1-element dummies, so every
     format has the same argument types."""
     p, s, z, data = t.p, t.scale, t.zero, t.data
-    G, pb = 1 if s is None else s.shape[-1], p.per_byte
-    assert data.dim() == 4 and tuple(data.shape[1:]) == (H, BS, D // pb) and D % G == 0, \
-        f"{p}: data {tuple(data.shape)} is not (NB, {H}, {BS}, {D // pb})"
-    assert data.is_contiguous() and data.dtype == p.storage_dtype and data.device.type == "cpu", \
-        f"{p}: data must be a contiguous CPU tensor of {p.storage_dtype}"
-    assert (s is None) == p.is_float and (z is None) == (p.sym or p.is_float), f"{p}: scale/zero"
-    full = (data.shape[0], H, BS, G)
-    assert s is None or (s.dim() == 4 and all(a in (1, b) for a, b in zip(s.shape, full))), \
-        f"{p}: scale {tuple(s.shape)} does not broadcast to (NB, H, BS, G) = {full}"
-    assert s is None or (s.is_contiguous() and s.dtype in (torch.float32, torch.float16,
-                                                           torch.bfloat16)), f"{p}: scale layout"
-    assert z is None or (z.shape == s.shape and z.dtype == s.dtype and z.is_contiguous())
-    fmt = {"fp32": F32, "fp16": F16, "bf16": BF16, "fp8": FP8, "int4": U4, "int2": U2}.get(p.dtype)
-    fmt = (I8 if p.sym else U8) if fmt is None else fmt
+    strides = check_layout(t, H, BS, D, str(p))
+    assert data.is_contiguous() and data.device.type == "cpu", f"{p}: data must be contiguous, CPU"
+    assert s is None or s.is_contiguous(), f"{p}: scale must be contiguous"
+    fmt = stored_format(p, D)
+    G, pb = D // fmt.group_size, fmt.per_byte
+    if fmt.family == FLOAT:
+        fmt_code = {32: F32, 16: F16 if p.dtype == "fp16" else BF16}[fmt.bits]
+    elif fmt.family == INT:
+        fmt_code = {8: I8 if fmt.signed else U8, 4: U4, 2: U2}[fmt.bits]
+    else:
+        fmt_code = FP8
     rows = _np(data).reshape(-1, D // pb)  # (NB * H * BS, D // per_byte)
     size = data.element_size()
     d16 = rows if size == 2 else np.zeros((1, 1), np.uint16)
@@ -204,9 +201,9 @@ def _pool(t: PoolLayer, H: int, BS: int, D: int) -> tuple:
     for x in (s, z):  # each as (half bits, float32): the kernel reads the one `kind` names
         sz.append(np.zeros(1, np.uint16) if x is None or kind == F32 else _np(x))
         sz.append(np.zeros(1, np.float32) if x is None or kind != F32 else _np(x))
-    strides = [0] * 4 if s is None else [0 if n == 1 else st for n, st in zip(s.shape, s.stride())]
     # meta is int64: the offset goes in half steps (sym int2's is 1.5)
-    meta = [fmt, kind, z is not None, int(2 * p.offset), G, D // G, D // pb, H * BS, BS, *strides]
+    meta = [fmt_code, kind, fmt.has_zero, int(2 * fmt.offset), G, fmt.group_size, D // pb, H * BS,
+            BS, strides.block, strides.head, strides.token, strides.group]
     return rows.view(np.uint8), d16, d32, *sz, np.array(meta, dtype=np.int64)
 
 

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .kernels import PoolLayer
-from .kernels_triton import _attn_args, _attn_kernel, _interpreted, triton
-from .kernels_triton_store import _store_args, _store_kernel
-from .quant import KVSpec, QuantParams
+from ..quant import KVSpec, QuantParams
+from .layout import PoolLayer
+from .triton import _attn_args, _attn_kernel, _interpreted, triton
+from .triton_store import _store_args, _store_kernel
 
 
 @dataclass(frozen=True)

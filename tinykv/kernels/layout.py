@@ -1,0 +1,100 @@
+"""What every kernel reads: one layer's pool (`PoolLayer`), the description of its stored format
+(`StoredFormat`) that the CPU and Triton kernels both derive their constants from, and the one
+layout check every kernel wrapper calls before it launches (`check_layout`).
+
+Pool layout of one layer (see pools.py): `data` (NB, H, BS, D // per_byte) codes;
+`scale`/`zero` (NB|1, H|1, BS|1, G), where G groups split the D channels. A size-1 dim is shared:
+its stride is read as 0, so one address formula serves per-token, per-group, per-block and
+static scales, and one dequant formula `x = (code - zero) * scale` serves every granularity.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..quant import QuantParams
+
+# Families of stored formats: a plain float cast, integer codes of `bits` bits, fp8 e4m3 bits.
+FLOAT, INT, FP8 = 0, 1, 2
+
+
+@dataclass
+class PoolLayer:
+    """One layer's K (or V) storage: what a kernel needs to read it."""
+    data: torch.Tensor  # (NB, H, BS, D // per_byte)
+    scale: torch.Tensor | None  # (NB|1, H|1, BS|1, G) or None for float storage
+    zero: torch.Tensor | None  # like scale; None when symmetric
+    p: QuantParams
+
+
+@dataclass(frozen=True)
+class StoredFormat:
+    """How one pool's codes are stored and turned back into floats.
+
+    Integer codes are unsigned in storage except sym int8; `offset` is the stored code of 0 for
+    sym int4/int2 (int2's is 1.5: midrise). Packed codes hold channel per_byte*i + j of a row at
+    bit j * bits of byte i.
+    """
+    family: int  # FLOAT, INT or FP8
+    bits: int  # bits per code: 8 unless packed, 16 or 32 for floats
+    signed: bool  # codes stored as int8 (sym int8); else unsigned
+    has_zero: bool  # asym: a zero point per scale
+    offset: float  # stored code of the value 0 (sym packed formats)
+    group_size: int  # channels sharing one scale
+    static: bool  # one set of scales per layer (calibrated), shared by every block and token
+    storage: torch.dtype  # dtype of the data tensor
+
+    @property
+    def per_byte(self) -> int:
+        """Codes per stored element: int4 and int2 codes are packed into bytes."""
+        return 8 // self.bits if self.family == INT else 1
+
+
+@dataclass(frozen=True)
+class ScaleStrides:
+    """Element strides of scale (and zero) over (block, head, token, group); 0 where shared."""
+    block: int  # 0 for static (per-layer) scales
+    head: int  # 0 for per-tensor scales
+    token: int  # 0 unless per-token or per-group scales
+    group: int
+
+
+def stored_format(p: QuantParams, head_dim: int) -> StoredFormat:
+    """The stored format of QuantParams p for rows of head_dim channels."""
+    family = FLOAT if p.is_float else FP8 if p.dtype == "fp8" else INT
+    group_size = head_dim // max(p.ngroups(head_dim), 1)
+    return StoredFormat(family=family, bits=p.bits, signed=p.storage_dtype == torch.int8,
+                        has_zero=not (p.sym or p.is_float), offset=float(p.offset),
+                        group_size=group_size, static=p.static, storage=p.storage_dtype)
+
+
+def broadcast_strides(t: torch.Tensor) -> list[int]:
+    """Strides with 0 on size-1 dims: a shared value is read at one address for every index."""
+    return [0 if n == 1 else st for n, st in zip(t.shape, t.stride(), strict=True)]
+
+
+def check_layout(pool: PoolLayer, H: int, BS: int, D: int, what: str) -> ScaleStrides:
+    """Assert that `pool` is laid out as every kernel reads it (`what` names it in errors):
+    data (NB, H, BS, D // per_byte) of the format's dtype with contiguous channels, scale and zero
+    present exactly when the format needs them, broadcasting to (NB, H, BS, G) and laid out alike.
+    Returns the scale strides."""
+    p, data, s, z = pool.p, pool.data, pool.scale, pool.zero
+    G = 1 if s is None else s.shape[-1]
+    assert data.dim() == 4 and tuple(data.shape[1:]) == (H, BS, D // p.per_byte) and D % G == 0, \
+        f"{what}: data {tuple(data.shape)} is not (NB, {H}, {BS}, {D // p.per_byte})"
+    assert data.stride(-1) == 1, f"{what}: channels must be contiguous"
+    assert data.dtype == p.storage_dtype, f"{what}: {p} is stored as {p.storage_dtype}"
+    assert (s is None) == p.is_float, f"{what}: a scale is needed exactly for quantized formats"
+    assert (z is None) == (p.sym or p.is_float), f"{what}: a zero point is needed exactly for asym"
+    if s is None:
+        return ScaleStrides(0, 0, 0, 0)
+    full = (data.shape[0], H, BS, G)
+    assert s.dim() == 4 and all(n in (1, m) for n, m in zip(s.shape, full, strict=True)), \
+        f"{what}: scale {tuple(s.shape)} does not broadcast to {full}"
+    assert s.dtype in (torch.float32, torch.float16, torch.bfloat16), f"{what}: scale {s.dtype}"
+    strides = broadcast_strides(s)
+    assert z is None or (z.shape == s.shape and z.dtype == s.dtype
+                         and broadcast_strides(z) == strides), f"{what}: zero is unlike scale"
+    return ScaleStrides(*strides)
