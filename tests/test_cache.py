@@ -130,12 +130,12 @@ def test_fork_copy_on_write():
     toks = list(range(10))
     ref = run_cached(m, cache, {0: toks}, chunk=10)[0]
     cache.fork(0, 1)
-    used = cache.blocks_used
+    used = cache.tables.used_blocks()
     for sid, t in ((1, 77), (0, 55)):  # both write into the shared tail block
         plan = cache.plan([sid], [[t]])
         m(torch.tensor([t]), plan)
         cache.commit(plan)
-    assert cache.blocks_used == used + 1  # one copy, the other writer keeps the original
+    assert cache.tables.used_blocks() == used + 1  # one copy, the other writer keeps the original
     # seq 0 still sees its own tokens: its logits for one more token equal a fresh run
     fresh = cache_for(m, "int8", blocks=16, block_size=4)
     want = run_cached(m, fresh, {0: toks + [55, 3]}, chunk=12)[0][-1]

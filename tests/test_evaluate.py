@@ -85,7 +85,7 @@ def test_result_fields(model_text):
     assert res.windows == 3 and res.tokens == 99 + 99 + 49
     assert res.kv == kivi
     # the windows were freed
-    assert res.kv_bytes_per_token == cache.bytes_per_token and cache.blocks_used == 0
+    assert res.kv_bytes_per_token == cache.bytes_per_token and cache.tables.used_blocks() == 0
 
 
 def test_as_stored_is_the_quantizer():

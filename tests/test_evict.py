@@ -66,10 +66,10 @@ def test_cache_holds_the_budget_and_frees_blocks(policy, fmt):
     cache = make_cache(CFG, spec, blocks=40, block_size=8, max_seqs=2)
     fill(cache, 0, 120, chunk=16)
     slots = cache.slots(0)
-    assert cache.length(0) == 120
+    assert len(cache.tables.seqs[0].tokens) == 120
     assert 32 <= slots < 32 + 16 + 8  # the budget plus less than a block and a chunk
     # the store pool holds no more than the budget's blocks plus one
-    assert cache.blocks_used <= math.ceil((32 + 8) / 8) + 1
+    assert cache.tables.used_blocks() <= math.ceil((32 + 8) / 8) + 1
     cache.compact(0)
     assert cache.slots(0) == 32
     cache.free(0)
@@ -84,7 +84,7 @@ def test_compacting_a_budget_larger_than_a_step(policy):
     cache = make_cache(CFG, spec, tokens=300, block_size=8, max_seqs=1, max_step_tokens=16)
     fill(cache, 0, 300, chunk=16)
     cache.compact(0)
-    assert cache.slots(0) == 120 and cache.length(0) == 300
+    assert cache.slots(0) == 120 and len(cache.tables.seqs[0].tokens) == 300
 
 
 def test_attention_over_kept_tokens_is_attention_restricted_to_them():

@@ -20,8 +20,8 @@ from .blocks import DISK, HOST, HOT, STORE, CacheError, PoolExhausted
 from .kernels import Kernels, select_kernels
 from .kernels.reference import gather_dequant, merge_partials
 from .model import Config
-from .offload import OffloadConfig, Offloader
-from .pools import KVPools, block_bytes, check_memory, hot_blocks
+from .offload import OffloadConfig, Offloader, StagedChunk, is_one_pass
+from .pools import KVPools, SlotIndex, block_bytes, check_memory, hot_blocks
 from .quant import KVSpec, layer_transforms
 from .tables import BlockTables, Slots
 
@@ -41,9 +41,9 @@ class Plan:
     q_seq: torch.Tensor  # (N,) row of the sequence each token belongs to
     ctx_lens: torch.Tensor  # (B,) slots each sequence holds after this step
     tables: dict[int, torch.Tensor]  # pool -> (B, MB) block ids, -1 where a block is elsewhere
-    slots: dict[int, tuple]  # pool -> (token index (a slice for all), block, offset) tensors
+    slots: dict[int, SlotIndex]  # pool -> where this step's tokens are written
     logits_idx: torch.Tensor | None  # packed rows whose logits are wanted (None: all)
-    offload_chunks: list = field(default_factory=list)  # staged chunks of offloaded blocks
+    offload_chunks: list[StagedChunk] = field(default_factory=list)  # offloaded blocks, staged
     n_new: list[int] = field(default_factory=list)  # tokens each sequence feeds this step
     sampled: list[bool] = field(default_factory=list)  # whose last token's logits are wanted
 
@@ -53,19 +53,19 @@ class Plan:
         `:rot` and `:center` transform keys (after RoPE), queries and values before they reach
         the pools and the kernels, and the output after (quant.Transform): scores and outputs
         are unchanged in exact arithmetic, and every kernel serves them as is."""
-        t = self.cache.transforms[layer]
-        q, k, v = t.queries(q), t.keys(k), t.values(v)  # (N, Hq, D), (N, H, D), (N, H, D)
+        transform = self.cache.transforms[layer]
+        q, k, v = transform.queries(q), transform.keys(k), transform.values(v)  # (N, Hq|H, D)
         self.cache.pools.write(layer, k, v, self.slots)
         o = self.cache.attend(layer, q, self)  # (N, Hq, D)
         if self.cache.evictor is not None:  # policies that score by attention look at q
             self.cache.evictor.observe(self.cache, layer, q, self)
-        return t.output(o)
+        return transform.output(o)
 
 
 class PagedKVCache:
     """One cache: tables, pools, kernels and the offload tiers, built by `make_cache`."""
 
-    def __init__(self, cfg: Config, spec: KVSpec, num_blocks: int, block_size: int,
+    def __init__(self, cfg: Config, spec: KVSpec, *, num_blocks: int, block_size: int,
                  kernels: Kernels, max_seqs: int = 16, max_step_tokens: int = 512,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                  scales: dict[str, torch.Tensor] | None = None,
@@ -75,15 +75,18 @@ class PagedKVCache:
         self.transforms = [t.to(self.device, dtype) for t in
                            layer_transforms(spec, cfg.n_layers, cfg.head_dim, scales)]
         self.n_hot = hot_blocks(spec, block_size, max_seqs, max_step_tokens)
-        self.pools = KVPools(cfg, spec, num_blocks, self.n_hot, block_size, self.device, dtype,
-                             scales, kernels.store)
-        off = offload or OffloadConfig()
-        self.tables = BlockTables(num_blocks, self.n_hot, block_size, spec.sink, spec.residual,
-                                  spec.k.block_wise or spec.v.block_wise, self,
-                                  off.host_blocks, off.disk_blocks if off.disk_dir else 0)
+        self.pools = KVPools(cfg, spec, num_blocks=num_blocks, n_hot=self.n_hot,
+                             block_size=block_size, device=self.device, dtype=dtype,
+                             static=scales, store_fn=kernels.store)
+        tiers = offload or OffloadConfig()
+        self.tables = BlockTables(num_blocks=num_blocks, n_hot=self.n_hot, block_size=block_size,
+                                  sink=spec.sink, residual=spec.residual,
+                                  needs_tail=spec.k.block_wise or spec.v.block_wise, data=self,
+                                  host_blocks=tiers.host_blocks,
+                                  disk_blocks=tiers.disk_blocks if tiers.disk_dir else 0)
         self.offload = None
-        if off.host_blocks:
-            self.offload = Offloader(self.pools.moving(), off, self.device,
+        if tiers.host_blocks:
+            self.offload = Offloader(self.pools.moving(), tiers, self.device,
                                      self.pools.layer_rows)
         self.sm_scale = 1.0 / math.sqrt(cfg.head_dim)
         self.evictor = evict.Evictor(spec, cfg.n_layers, cfg.n_kv_heads) if spec.evict else None
@@ -113,10 +116,6 @@ class PagedKVCache:
     @property
     def bytes_per_token(self) -> float:
         return self.nbytes / (self.num_blocks * self.bs)
-
-    @property
-    def blocks_used(self) -> int:
-        return self.tables.used_blocks()
 
     @property
     def blocks_free(self) -> int:
@@ -151,9 +150,6 @@ class PagedKVCache:
         self.tables.free(seq_id)
         if self.evictor is not None:
             self.evictor.forget(seq_id)
-
-    def length(self, seq_id: int) -> int:
-        return len(self.tables.seqs[seq_id].tokens)
 
     def slots(self, seq_id: int) -> int:
         """Cache slots a sequence holds: its length less what eviction dropped."""
@@ -218,20 +214,22 @@ class PagedKVCache:
         q_slots = positions
         if slots.q_slots != slots.positions:  # evicted tokens: slots lag positions
             q_slots = _index(slots.q_slots, dev)
-        return Plan(self, list(seq_ids), positions, q_slots,
-                    torch.tensor(slots.q_seq, dtype=torch.int32, device=dev),
-                    torch.tensor(lens, dtype=torch.int32, device=dev), tables, step_slots,
-                    logits_idx, chunks, [len(t) for t in new_tokens], sampled)
+        return Plan(cache=self, seq_ids=list(seq_ids), positions=positions, q_slots=q_slots,
+                    q_seq=torch.tensor(slots.q_seq, dtype=torch.int32, device=dev),
+                    ctx_lens=torch.tensor(lens, dtype=torch.int32, device=dev), tables=tables,
+                    slots=step_slots, logits_idx=logits_idx, offload_chunks=chunks,
+                    n_new=[len(t) for t in new_tokens], sampled=sampled)
 
-    def step_slots(self, slots: Slots) -> dict[int, tuple]:
-        """pool -> (token index (a slice when all go there), block ids, offsets) as tensors."""
+    def step_slots(self, slots: Slots) -> dict[int, SlotIndex]:
+        """The tables' slots of a step as tensors, per pool that the step writes to."""
         out = {}
-        for pool, (idx, blk, off) in slots.rows.items():
-            if not idx:
+        for pool, rows in slots.rows.items():
+            if not rows.token:
                 continue
-            all_here = len(idx) == slots.n_tokens  # every token goes to one pool: no gather
-            first = slice(None) if all_here else _index(idx, self.device)
-            out[pool] = (first, _index(blk, self.device), _index(off, self.device))
+            all_here = len(rows.token) == slots.n_tokens  # every token goes to one pool: no gather
+            token = slice(None) if all_here else _index(rows.token, self.device)
+            out[pool] = SlotIndex(token=token, block=_index(rows.block, self.device),
+                                  offset=_index(rows.offset, self.device))
         return out
 
     def _tables(self, seq_ids: list[int]) -> dict[int, torch.Tensor]:
@@ -246,8 +244,7 @@ class PagedKVCache:
         """Attention of the step's queries (N, Hq, D) over everything cached for their sequences."""
         parts = []
         chunks = plan.offload_chunks
-        one_pass = chunks and STORE in chunks[0][1]  # resident blocks ride along in the chunk
-        if not one_pass:
+        if not is_one_pass(chunks):  # else resident blocks ride along in the one chunk
             k, v = self.pools.layer(layer)
             parts.append(self._attend_pool(q, plan, k, v, plan.tables[STORE]))
         if chunks:
@@ -346,5 +343,6 @@ def make_cache(cfg: Config, spec: KVSpec | str, *, tokens: int | None = None,
     if offload is not None and offload.host_blocks:  # the host tier lives in CPU memory
         check_memory(offload.host_blocks * per_block, torch.device("cpu"))
     kernels = select_kernels(attention, device)
-    return PagedKVCache(cfg, spec, blocks, block_size, kernels, max_seqs, max_step_tokens,
-                        device, dtype, scales, offload)
+    return PagedKVCache(cfg, spec, num_blocks=blocks, block_size=block_size, kernels=kernels,
+                        max_seqs=max_seqs, max_step_tokens=max_step_tokens, device=device,
+                        dtype=dtype, scales=scales, offload=offload)

@@ -46,9 +46,10 @@ def sample(logits: torch.Tensor, s: Sampling, gen: torch.Generator | None) -> in
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if s.top_p < 1.0:
-        sp, idx = torch.sort(probs, descending=True)
-        drop = torch.cumsum(sp, 0) - sp > s.top_p  # keep the smallest set whose mass reaches top_p
-        probs = torch.zeros_like(probs).scatter(0, idx, sp.masked_fill(drop, 0.0))
+        sorted_probs, idx = torch.sort(probs, descending=True)
+        # keep the smallest set whose mass reaches top_p
+        drop = torch.cumsum(sorted_probs, 0) - sorted_probs > s.top_p
+        probs = torch.zeros_like(probs).scatter(0, idx, sorted_probs.masked_fill(drop, 0.0))
     return int(torch.multinomial(probs.cpu(), 1, generator=gen))
 
 
@@ -112,7 +113,8 @@ class Engine:
         gen = None
         if sampling.seed is not None:
             gen = torch.Generator().manual_seed(sampling.seed + rid)
-        self.requests[rid] = Request(rid, prompt_len, tokens, sampling, n, gen=gen)
+        self.requests[rid] = Request(rid=rid, prompt_len=prompt_len, tokens=tokens,
+                                     sampling=sampling, n=n, gen=gen)
         return rid
 
     def _admit(self) -> None:

@@ -23,11 +23,13 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from .blocks import DISK, HOST, STORE, TIER_NAMES
+from .tables import PlacedBlock
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,12 @@ class OffloadConfig:
     disk_dir: str | None = None
     disk_blocks: int = 0
     stage_blocks: int = 64
+
+
+class StagedChunk(NamedTuple):
+    """Blocks attended together from one staging buffer."""
+    table: torch.Tensor  # (B, MB) each sequence's blocks as slots of the buffer, -1 elsewhere
+    ids: dict[int, list[int]]  # tier -> block ids, in buffer order: tier after tier
 
 
 class OffloadError(RuntimeError):
@@ -227,14 +235,13 @@ class Offloader:
         self.counts[f"bytes_{TIER_NAMES[src_tier]}_to_{TIER_NAMES[dst_tier]}"] += self.block_bytes
 
     # ---- staged attention ---------------------------------------------------------------------
-    def plan_chunks(self, entries: list[tuple[int, int, int, int]], n_rows: int, width: int,
-                    one_pass: bool) -> list[tuple[torch.Tensor, dict]]:
-        """A step's blocks (row, logical block, tier, id) as chunks: (table (B, MB) of slots in a
-        staging buffer, block ids per tier). `entries` hold the offloaded blocks, and with
+    def plan_chunks(self, entries: list[PlacedBlock], n_rows: int, width: int,
+                    one_pass: bool) -> list[StagedChunk]:
+        """A step's blocks as chunks to stage. `entries` hold the offloaded blocks, and with
         `one_pass` (the CPU, where host memory is the device's memory anyway) the resident ones
         too: one chunk, so attention is one pass over exactly the same dense K/V as without
-        offload, bitwise. Otherwise chunks of `stage_blocks`."""
-        staged = sum(e[2] != STORE for e in entries)
+        offload, bitwise. Otherwise chunks of `stage_blocks`; a chunk's table is (n_rows, width)."""
+        staged = sum(e.tier != STORE for e in entries)
         if not staged:
             return []
         self.counts["blocks_read_staged"] += staged
@@ -247,19 +254,19 @@ class Offloader:
             ids: dict[int, list[int]] = {tier: [] for tier in tiers}
             slot = 0
             for tier in tiers:  # slots: resident blocks first, then host, then disk
-                for row, j, t, b in entries[c0:c0 + size]:
-                    if t == tier:
-                        table[row, j] = slot
-                        ids[tier].append(b)
+                for e in entries[c0:c0 + size]:
+                    if e.tier == tier:
+                        table[e.row, e.logical] = slot
+                        ids[tier].append(e.block)
                         slot += 1
-            chunks.append((table.to(self.device), ids))
+            chunks.append(StagedChunk(table=table.to(self.device), ids=ids))
         return chunks
 
-    def attend_parts(self, layer: int, chunks: list[tuple[torch.Tensor, dict]],
+    def attend_parts(self, layer: int, chunks: list[StagedChunk],
                      attend: Callable[[list[torch.Tensor], torch.Tensor], tuple]) -> list[tuple]:
         """Partial attention (o, lse) over each chunk, for one layer: attend(buffers, table)
         attends over staging buffers laid out like the pool's tensors (one layer)."""
-        if STORE in chunks[0][1]:  # one pass: a buffer the size of this step's blocks
+        if is_one_pass(chunks):  # a buffer the size of this step's blocks
             (table, ids), = chunks
             n = sum(len(x) for x in ids.values())
             rows = self.layer_rows(layer)
@@ -268,12 +275,12 @@ class Offloader:
             self._gather(layer, ids, bufs)
             return [attend(bufs, table)]
         parts = []
-        bufs = self._fill(0, layer, chunks[0][1])
-        for i, (table, _) in enumerate(chunks):
+        bufs = self._fill(0, layer, chunks[0].ids)
+        for i, chunk in enumerate(chunks):
             nxt = None
             if i + 1 < len(chunks):  # this copy overlaps the attention below
-                nxt = self._fill((i + 1) % 2, layer, chunks[i + 1][1])
-            parts.append(self.stager.attend(i % 2, attend, bufs, table))
+                nxt = self._fill((i + 1) % 2, layer, chunks[i + 1].ids)
+            parts.append(self.stager.attend(i % 2, attend, bufs, chunk.table))
             bufs = nxt
         return parts
 
@@ -308,3 +315,8 @@ class Offloader:
         """Delete the disk tier's file, if there is one."""
         if DISK in self.tiers:
             self.tiers[DISK].close()
+
+
+def is_one_pass(chunks: list[StagedChunk]) -> bool:
+    """Whether the chunks are one pass over resident and offloaded blocks alike (plan_chunks)."""
+    return bool(chunks) and STORE in chunks[0].ids

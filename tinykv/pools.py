@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -81,6 +82,13 @@ def make_store_pool(cfg: Config, p: QuantParams, layers: list[int], num_blocks: 
 StoreFn = Callable[..., "torch.Tensor | int"]  # the quantize_store_ref signature
 
 
+class SlotIndex(NamedTuple):
+    """Where a step writes the tokens that go to one pool, as tensors (tables.SlotRows)."""
+    token: torch.Tensor | slice  # (n,) rows of the step's k and v; a slice when all go here
+    block: torch.Tensor  # (n,) block ids in the pool
+    offset: torch.Tensor  # (n,) slots within those blocks
+
+
 @dataclass
 class LayerGroup:
     """Layers stored in one format: their K and V store pools."""
@@ -95,7 +103,7 @@ class LayerGroup:
 class KVPools:
     """The store and hot pools of one cache, and the store kernel chosen with the cache."""
 
-    def __init__(self, cfg: Config, spec: KVSpec, num_blocks: int, n_hot: int, block_size: int,
+    def __init__(self, cfg: Config, spec: KVSpec, *, num_blocks: int, n_hot: int, block_size: int,
                  device: torch.device, dtype: torch.dtype, static: dict[str, torch.Tensor] | None,
                  store_fn: StoreFn):
         self.store_fn = store_fn
@@ -159,9 +167,9 @@ class KVPools:
         return sum(t.nbytes for t in self.moving())
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor,
-              slots: dict[int, tuple]) -> None:
-        """Store new keys/values k, v (N, H, D) at their slots: quantized into store blocks, as they
-        are into hot ones. slots: pool -> (token index (a slice for all), block ids, offsets)."""
+              slots: dict[int, SlotIndex]) -> None:
+        """Store new keys/values k, v (N, H, D) at their slots (pool -> SlotIndex): quantized
+        into store blocks, as they are into hot ones."""
         for pool, (idx, blk, off) in slots.items():
             if pool == HOT:
                 self.hot[0, layer, blk, :, off] = k[idx].to(self.dtype)

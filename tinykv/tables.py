@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from .blocks import DISK, HOST, HOT, STORE, TIER_NAMES, Allocator, PoolExhausted, SeqState
 
@@ -31,10 +31,25 @@ class BlockData(Protocol):
     def quantize_hot(self, hot_block: int, store_block: int) -> None: ...
 
 
+class SlotRows(NamedTuple):
+    """The step's tokens that go to one pool, one entry per token."""
+    token: list[int]  # index of the token in the step's packed batch
+    block: list[int]  # block id in the pool
+    offset: list[int]  # slot within the block
+
+
+class PlacedBlock(NamedTuple):
+    """Where one logical block of a sequence in a step lives."""
+    row: int  # the sequence's row in the step
+    logical: int  # the block's index in the sequence (its tokens logical * block_size ...)
+    tier: int  # STORE, HOT, HOST or DISK
+    block: int  # block id on that tier
+
+
 @dataclass
 class Slots:
-    """Where one step's new tokens go, per pool: packed token index, block id, offset in it."""
-    rows: dict[int, tuple[list[int], list[int], list[int]]]
+    """Where one step's new tokens go, per pool, and where they sit in their sequences."""
+    rows: dict[int, SlotRows]  # pool (STORE, HOT) -> the tokens written there
     positions: list[int]  # absolute position of every packed token (RoPE)
     q_slots: list[int]  # its cache slot: it sees the slots up to this one (= position unevicted)
     q_seq: list[int]  # row (sequence) of every packed token
@@ -42,7 +57,9 @@ class Slots:
 
 
 class BlockTables:
-    def __init__(self, num_blocks: int, n_hot: int, block_size: int, sink: int, residual: int,
+    """Every sequence's blocks, on every tier, and the allocators they come from."""
+
+    def __init__(self, *, num_blocks: int, n_hot: int, block_size: int, sink: int, residual: int,
                  needs_tail: bool, data: BlockData, host_blocks: int = 0, disk_blocks: int = 0):
         self.bs, self.data = block_size, data
         self.sink_blocks = math.ceil(sink / block_size)
@@ -106,7 +123,8 @@ class BlockTables:
         s = self.seqs[src]
         for tier, b in s.blocks:
             self.alloc[tier].incref(b)
-        self.seqs[dst] = SeqState(list(s.blocks), list(s.tokens), s.done, s.last_hash, s.evicted)
+        self.seqs[dst] = SeqState(blocks=list(s.blocks), tokens=list(s.tokens), done=s.done,
+                                  last_hash=s.last_hash, evicted=s.evicted)
 
     def free(self, seq_id: int) -> None:
         for tier, b in self.seqs.pop(seq_id).blocks:
@@ -129,8 +147,7 @@ class BlockTables:
         Raises PoolExhausted, having changed nothing, when the step (and its commit) may not fit."""
         self._check_room(seq_ids, new_tokens)
         self._note_step(seq_ids)
-        rows: dict[int, tuple[list[int], list[int], list[int]]] = {STORE: ([], [], []),
-                                                                     HOT: ([], [], [])}
+        rows = {STORE: SlotRows([], [], []), HOT: SlotRows([], [], [])}
         positions, q_slots, q_seq, n = [], [], [], 0
         for row, (sid, toks) in enumerate(zip(seq_ids, new_tokens)):
             st = self.seqs[sid]
@@ -144,16 +161,16 @@ class BlockTables:
                 elif i == 0:  # the first write into an existing block
                     self._make_writable(st, j)
                 tier, b = st.blocks[j]
-                rows[tier][0].append(n)
-                rows[tier][1].append(b)
-                rows[tier][2].append(off)
+                rows[tier].token.append(n)
+                rows[tier].block.append(b)
+                rows[tier].offset.append(off)
                 positions.append(len(st.tokens) + i)
                 q_slots.append(slot)
                 q_seq.append(row)
                 n += 1
             st.tokens += toks
         self.peak_blocks = max(self.peak_blocks, self.used_blocks())
-        return Slots(rows, positions, q_slots, q_seq, n)
+        return Slots(rows=rows, positions=positions, q_slots=q_slots, q_seq=q_seq, n_tokens=n)
 
     def _make_writable(self, st: SeqState, j: int) -> None:
         tier, b = st.blocks[j]
@@ -325,11 +342,11 @@ class BlockTables:
         raise PoolExhausted(f"KV cache full on every tier (blocks: {tiers}); raise --device-blocks "
                             "or --host-blocks", None)
 
-    def placed(self, seq_ids: list[int], tiers: tuple[int, ...]) -> list[tuple[int, int, int, int]]:
-        """(row, logical block, tier, block id) of every block of these sequences on `tiers`."""
+    def placed(self, seq_ids: list[int], tiers: tuple[int, ...]) -> list[PlacedBlock]:
+        """Every block of these sequences that lives on `tiers`."""
         out = []
         for row, sid in enumerate(seq_ids):
             for j, (tier, b) in enumerate(self.seqs[sid].blocks):
                 if tier in tiers:
-                    out.append((row, j, tier, b))
+                    out.append(PlacedBlock(row=row, logical=j, tier=tier, block=b))
         return out
