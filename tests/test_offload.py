@@ -85,15 +85,15 @@ def test_roundtrip_bit_exact_and_tamper_detected(tmp_path):
             else:
                 t.copy_(torch.randint(0, 100, t.shape).to(t.dtype))
         before = [t[:, 1].clone() for t in cache.pools.moving()]
-        h = cache.tables.move(STORE, 1, HOST)
-        d = cache.tables.move(HOST, h, DISK)
-        back = cache.tables.move(DISK, d, STORE)
+        h = cache.tables.tiers.move(STORE, 1, HOST)
+        d = cache.tables.tiers.move(HOST, h, DISK)
+        back = cache.tables.tiers.move(DISK, d, STORE)
         for t, b in zip(cache.pools.moving(), before):
             assert torch.equal(t[:, back].view(torch.uint8), b.view(torch.uint8)), spec
         cache.close()
     offload = OffloadConfig(host_blocks=1, disk_dir=str(tmp_path), disk_blocks=2)
     cache = make_cache(m.cfg, KVSpec.parse("int8"), blocks=4, block_size=8, offload=offload)
-    d = cache.tables.move(STORE, 0, DISK)
+    d = cache.tables.tiers.move(STORE, 0, DISK)
     disk = cache.offload.tiers[DISK]
     with open(disk.path, "r+b") as f:  # flip one byte of the stored block
         f.seek(disk.offsets[0] + d * disk.row[0])
@@ -101,7 +101,7 @@ def test_roundtrip_bit_exact_and_tamper_detected(tmp_path):
         f.seek(-1, 1)
         f.write(bytes([byte[0] ^ 0xFF]))
     with pytest.raises(OffloadError, match="altered"):
-        cache.tables.move(DISK, d, STORE)
+        cache.tables.tiers.move(DISK, d, STORE)
     with open(disk.path, "r+b") as f:
         f.truncate(10)
     with pytest.raises(OffloadError, match="truncated"):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Protocol
 
 STORE, HOT, HOST, DISK = 0, 1, 2, 3
 TIER_NAMES = {STORE: "device", HOT: "full-precision", HOST: "host", DISK: "disk"}
@@ -24,6 +25,14 @@ class PoolExhausted(RuntimeError):
     def __init__(self, msg: str, pool: int | None = STORE):
         super().__init__(msg)
         self.pool = pool
+
+
+class BlockData(Protocol):
+    """What the block tables ask of whoever holds the blocks' contents (the cache)."""
+
+    def copy_block(self, src_tier: int, src: int, dst_tier: int, dst: int) -> None: ...
+
+    def quantize_hot(self, hot_block: int, store_block: int) -> None: ...
 
 
 class Allocator:

@@ -1,11 +1,10 @@
 """The paged, quantized KV cache: `make_cache(...)` builds one; `plan()` gives a step's tokens their
 slots; the model calls `plan.attend(layer, q, k, v)` in each layer; `commit()` finishes the step.
 
-Three parts, each readable alone: the block tables (tables.py, plain Python: which blocks each
-sequence holds, prefix sharing, copy on write, the offload policy), the pools (pools.py: tensors,
-quantize on store, sizes), and here the step's `Plan` and attention: the store pool, the hot
-blocks and offloaded chunks are attended apart and merged exactly by log-sum-exp. The kernels
-are chosen once, when the cache is built (kernels/__init__.py).
+The cache joins parts each readable alone: the block tables (tables.py: integers), the pools
+(pools.py: tensors), the offload tiers (offload.py) and the eviction policy (evict.py). Here: the
+step's `Plan`; attention over the store pool, the hot blocks and offloaded chunks, merged exactly by
+log-sum-exp; eviction's keeping. The kernels are chosen once, when the cache is built (kernels/).
 """
 
 from __future__ import annotations
@@ -18,10 +17,10 @@ import torch
 from . import evict
 from .blocks import DISK, HOST, HOT, STORE, CacheError, PoolExhausted
 from .kernels import Kernels, select_kernels
-from .kernels.reference import gather_dequant, merge_partials
+from .kernels.reference import merge_partials
 from .model import Config
 from .offload import OffloadConfig, Offloader, StagedChunk, is_one_pass
-from .pools import KVPools, SlotIndex, block_bytes, check_memory, hot_blocks
+from .pools import KVPools, SlotIndex, block_bytes, check_fits, hot_blocks, store_blocks
 from .quant import KVSpec, layer_transforms
 from .tables import BlockTables, Slots
 
@@ -50,15 +49,15 @@ class Plan:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (N, Hq, D), k, v (N, H, D) -> o (N, Hq, D).
 
-        `:rot` and `:center` transform keys (after RoPE), queries and values before they reach
-        the pools and the kernels, and the output after (quant.Transform): scores and outputs
-        are unchanged in exact arithmetic, and every kernel serves them as is."""
+        `:center`, `:smooth` and `:rot` transform keys (after RoPE), queries and values before
+        they reach the pools and the kernels, and the output after (quant.Transform): scores and
+        outputs are unchanged in exact arithmetic, and every kernel serves them as is."""
         transform = self.cache.transforms[layer]
         q, k, v = transform.queries(q), transform.keys(k), transform.values(v)  # (N, Hq|H, D)
         self.cache.pools.write(layer, k, v, self.slots)
         o = self.cache.attend(layer, q, self)  # (N, Hq, D)
-        if self.cache.evictor is not None:  # policies that score by attention look at q
-            self.cache.evictor.observe(self.cache, layer, q, self)
+        if self.cache.scores is not None:  # policies that keep what queries attend to
+            self.cache.score_attention(layer, q, self)
         return transform.output(o)
 
 
@@ -89,7 +88,10 @@ class PagedKVCache:
             self.offload = Offloader(self.pools.moving(), tiers, self.device,
                                      self.pools.layer_rows)
         self.sm_scale = 1.0 / math.sqrt(cfg.head_dim)
-        self.evictor = evict.Evictor(spec, cfg.n_layers, cfg.n_kv_heads) if spec.evict else None
+        self.eviction = evict.Policy.from_spec(spec)  # None: the spec evicts nothing
+        self.scores = None  # attention received, for the policies that keep what it went to
+        if self.eviction is not None and self.eviction.scores_attention:
+            self.scores = evict.Scores(self.eviction, cfg.n_layers, cfg.n_kv_heads)
 
     # ---- lifetime -------------------------------------------------------------------------------
     def close(self) -> None:
@@ -122,17 +124,13 @@ class PagedKVCache:
         return self.tables.free_blocks()
 
     @property
-    def peak_blocks(self) -> int:
-        return self.tables.peak_blocks
-
-    @property
     def saturated(self) -> int:
         """Values that static scales clipped (and NaNs) since the cache was made."""
         return self.pools.saturated
 
     def offload_stats(self) -> dict:
         """Blocks and bytes moved between tiers, and the tiers' use now."""
-        out = dict(self.tables.counts) | dict(self.offload.counts)
+        out = dict(self.tables.tiers.counts) | dict(self.offload.counts)
         out["peak_device_blocks"] = self.tables.peak_blocks
         out["host_blocks_used"] = self.tables.used_blocks(HOST)
         out["disk_blocks_used"] = self.tables.used_blocks(DISK) if DISK in self.tables.alloc else 0
@@ -148,28 +146,12 @@ class PagedKVCache:
 
     def free(self, seq_id: int) -> None:
         self.tables.free(seq_id)
-        if self.evictor is not None:
-            self.evictor.forget(seq_id)
+        if self.scores is not None:
+            self.scores.forget(seq_id)
 
     def slots(self, seq_id: int) -> int:
         """Cache slots a sequence holds: its length less what eviction dropped."""
         return self.tables.seqs[seq_id].slots
-
-    def has(self, seq_id: int) -> bool:
-        return seq_id in self.tables.seqs
-
-    def blocks_needed(self, seq_id: int, n_new: int) -> int:
-        """Store blocks a step of n_new tokens may allocate (an upper bound, for the scheduler)."""
-        return self.tables.blocks_needed(seq_id, n_new)
-
-    @property
-    def blocks_free_total(self) -> int:
-        """Free blocks on every tier a sequence may occupy (device, host, disk)."""
-        return self.tables.free_everywhere()
-
-    def swap_out(self, seq_id: int) -> bool:
-        """Preempt by moving a sequence's blocks to the offload tiers; False if they lack room."""
-        return self.tables.swap_out(seq_id)
 
     # ---- BlockData: what the tables ask of the tensors ------------------------------------------
     def copy_block(self, src_tier: int, src: int, dst_tier: int, dst: int) -> None:
@@ -207,9 +189,10 @@ class PagedKVCache:
         elif logits != "all":
             logits_idx = last[logits].to(dev)
             sampled = [row in set(logits) for row in range(len(seq_ids))]
-        step_slots = self.step_slots(slots)
-        if self.evictor is not None:
-            self.evictor.prepare(self, seq_ids, [len(t) for t in new_tokens])
+        step_slots = self._step_slots(slots)
+        if self.scores is not None:
+            for sid, toks in zip(seq_ids, new_tokens):
+                self.scores.prepare(sid, self.slots(sid), len(toks), self.device)
         positions = _index(slots.positions, dev)
         q_slots = positions
         if slots.q_slots != slots.positions:  # evicted tokens: slots lag positions
@@ -220,17 +203,10 @@ class PagedKVCache:
                     slots=step_slots, logits_idx=logits_idx, offload_chunks=chunks,
                     n_new=[len(t) for t in new_tokens], sampled=sampled)
 
-    def step_slots(self, slots: Slots) -> dict[int, SlotIndex]:
+    def _step_slots(self, slots: Slots) -> dict[int, SlotIndex]:
         """The tables' slots of a step as tensors, per pool that the step writes to."""
-        out = {}
-        for pool, rows in slots.rows.items():
-            if not rows.token:
-                continue
-            all_here = len(rows.token) == slots.n_tokens  # every token goes to one pool: no gather
-            token = slice(None) if all_here else _index(rows.token, self.device)
-            out[pool] = SlotIndex(token=token, block=_index(rows.block, self.device),
-                                  offset=_index(rows.offset, self.device))
-        return out
+        return {pool: SlotIndex.of(rows, slots.n_tokens, self.device)
+                for pool, rows in slots.rows.items() if rows.token}
 
     def _tables(self, seq_ids: list[int]) -> dict[int, torch.Tensor]:
         """pool -> (B, MB) block ids of these sequences, -1 where a block is elsewhere."""
@@ -266,35 +242,62 @@ class PagedKVCache:
         """After a forward step: quantize hot blocks that no longer need full precision; hash;
         compact sequences over their eviction budget."""
         self.tables.commit(plan.seq_ids)
-        if self.evictor is not None:
-            self.evictor.after_step(self, plan)
+        if self.eviction is None:
+            return
+        for sid, n_new, sampled in zip(plan.seq_ids, plan.n_new, plan.sampled):
+            if self.eviction.due(self.slots(sid), n_new, sampled, self.bs):
+                self.compact(sid)
+
+    # ---- eviction (evict.py decides, the cache keeps) -------------------------------------------
+    def score_attention(self, layer: int, q: torch.Tensor, plan: Plan) -> None:
+        """Add the attention the step's queries q (N, Hq, D) pay each cached slot of their
+        sequence to its eviction scores, for the queries the policy scores."""
+        start = 0
+        for row, (sid, n_new) in enumerate(zip(plan.seq_ids, plan.n_new)):
+            rows = self.eviction.scored_rows(start, n_new, plan.sampled[row])
+            start += n_new
+            if rows is None:
+                continue
+            n = int(plan.ctx_lens[row])
+            tables = {tier: t[row:row + 1] for tier, t in plan.tables.items()}
+            keys = self.pools.read(layer, 0, tables)[:, :n]  # (H, n, D)
+            got = evict.attention_received(q[rows], plan.q_slots[rows], keys, self.sm_scale)
+            self.scores.add(sid, layer, got)  # (H, n)
 
     def compact(self, seq_id: int) -> None:
-        """Evict a sequence down to its budget now (evict.py)."""
-        self.evictor.compact(self, seq_id)
+        """Evict a sequence down to its budget now: the policy picks, keep_only keeps."""
+        k, v = self.seq_kv(seq_id)  # (L, H, n, D)
+        score = None if self.scores is None else self.scores.get(seq_id, k.shape[2])
+        kept = self.eviction.keep(k, score)  # (L, H, budget)
+        self.keep_only(seq_id, kept, (k, v))
+        if self.scores is not None:
+            self.scores.keep(seq_id, kept)
 
-    # ---- a sequence's K and V, dequantized (eviction reads them) --------------------------------
+    def keep_only(self, seq_id: int, kept: torch.Tensor,
+                  kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """Keep only the slots `kept` (L, H, n_keep), ascending, of a sequence, per layer and KV
+        head: stored again from slot 0 through the ordinary store path, the tables rewritten,
+        every other block freed. kv: the sequence's seq_kv, when the caller has read it."""
+        k, v = self.seq_kv(seq_id) if kv is None else kv  # (L, H, n, D)
+        idx = kept[..., None].expand(-1, -1, -1, k.shape[-1])  # (L, H, n_keep, D)
+        k, v = k.gather(2, idx), v.gather(2, idx)  # (L, H, n_keep, D)
+        slots = self._step_slots(self.tables.rewrite(seq_id, kept.shape[-1]))
+        for layer in range(k.shape[0]):
+            self.pools.write(layer, k[layer].transpose(0, 1), v[layer].transpose(0, 1), slots)
+        self.tables.commit([seq_id])
+
     def seq_kv(self, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A sequence's keys and values as stored, dequantized: (L, H, slots, D) each, float32.
         Offloaded blocks come back to the device first."""
         st = self.tables.seqs[seq_id]
         for tier, b in st.blocks:
             if tier in (HOST, DISK):
-                self.tables.move(tier, b, STORE)
+                self.tables.tiers.move(tier, b, STORE)
         tables = self._tables([seq_id])
         layers = range(self.cfg.n_layers)
-        k = torch.stack([self.layer_kv(layer, 0, tables) for layer in layers])  # (L, H, S, D)
-        v = torch.stack([self.layer_kv(layer, 1, tables) for layer in layers])
+        k = torch.stack([self.pools.read(layer, 0, tables) for layer in layers])  # (L, H, S, D)
+        v = torch.stack([self.pools.read(layer, 1, tables) for layer in layers])
         return k[..., :st.slots, :], v[..., :st.slots, :]  # (L, H, slots, D)
-
-    def layer_kv(self, layer: int, i: int, tables: dict[int, torch.Tensor]) -> torch.Tensor:
-        """K (i=0) or V (i=1) of one layer of one sequence (tables (1, MB) per pool): (H, S, D)."""
-        x = gather_dequant(self.pools.layer(layer)[i], tables[STORE])[0]  # (H, S, D)
-        if HOT in tables:
-            hot = gather_dequant(self.pools.hot_views[layer][i], tables[HOT])[0]
-            in_hot = (tables[HOT][0] >= 0).repeat_interleave(self.bs)  # (S,)
-            x = torch.where(in_hot[None, :, None], hot, x)
-        return x
 
 
 def _index(x: list[int], device: torch.device) -> torch.Tensor:
@@ -312,6 +315,22 @@ def make_cache(cfg: Config, spec: KVSpec | str, *, tokens: int | None = None,
     context manager (or call close()) so that a disk tier's file never outlives the run."""
     spec = KVSpec.parse(spec) if isinstance(spec, str) else spec
     device = torch.device(device)
+    _check_request(cfg, spec, scales, block_size)
+    blocks = store_blocks(cfg, spec, tokens=tokens, blocks=blocks, budget_bytes=budget_bytes,
+                          block_size=block_size, max_seqs=max_seqs,
+                          max_step_tokens=max_step_tokens, dtype=dtype)
+    n_hot = hot_blocks(spec, block_size, max_seqs, max_step_tokens)
+    check_fits(cfg, spec, blocks=blocks, n_hot=n_hot, block_size=block_size, dtype=dtype,
+               device=device, host_blocks=offload.host_blocks if offload else 0)
+    kernels = select_kernels(attention, device)
+    return PagedKVCache(cfg, spec, num_blocks=blocks, block_size=block_size, kernels=kernels,
+                        max_seqs=max_seqs, max_step_tokens=max_step_tokens, device=device,
+                        dtype=dtype, scales=scales, offload=offload)
+
+
+def _check_request(cfg: Config, spec: KVSpec, scales: dict[str, torch.Tensor] | None,
+                   block_size: int) -> None:
+    """A one-line CacheError (or SpecError) for a cache that cannot be built as asked."""
     for p in (spec.k, spec.v):
         p.check(cfg.head_dim)
     if spec.needs_scales and scales is None:
@@ -323,26 +342,3 @@ def make_cache(cfg: Config, spec: KVSpec | str, *, tokens: int | None = None,
     if spec.evict and spec.budget < spec.sink + spec.residual + 1:
         raise CacheError(f"evict budget {spec.budget} must exceed sink + residual "
                          f"({spec.sink + spec.residual}): they count against it")
-    if sum(x is not None for x in (tokens, blocks, budget_bytes)) != 1:
-        raise CacheError("size the cache by exactly one of tokens, blocks or budget_bytes")
-    per_block = block_bytes(cfg, spec, block_size, dtype)
-    if blocks is None and budget_bytes is not None:
-        blocks = int(budget_bytes // per_block)
-        if blocks < 1:
-            raise CacheError(f"a KV budget of {budget_bytes} bytes holds no block of {block_size} "
-                             f"tokens ({per_block:.0f} bytes under '{spec}')")
-    if blocks is None and spec.evict not in ("", "snapkv"):  # a budget, a block, a step at most
-        tokens = min(tokens, max_seqs * (spec.budget + 2 * block_size) + max_step_tokens)
-    if blocks is None:
-        blocks = max(8, math.ceil(tokens / block_size) + 2 * max_seqs)
-    if blocks < 1:
-        raise CacheError(f"the KV pool needs at least one block (got {blocks})")
-    n_hot = hot_blocks(spec, block_size, max_seqs, max_step_tokens)
-    hot_bytes = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * block_size * dtype.itemsize
-    check_memory(blocks * per_block + n_hot * hot_bytes, device)
-    if offload is not None and offload.host_blocks:  # the host tier lives in CPU memory
-        check_memory(offload.host_blocks * per_block, torch.device("cpu"))
-    kernels = select_kernels(attention, device)
-    return PagedKVCache(cfg, spec, num_blocks=blocks, block_size=block_size, kernels=kernels,
-                        max_seqs=max_seqs, max_step_tokens=max_step_tokens, device=device,
-                        dtype=dtype, scales=scales, offload=offload)

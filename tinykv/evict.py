@@ -1,5 +1,5 @@
-"""Selective caching: eviction policies that keep a budget of N tokens per sequence and KV head,
-and the compaction that gives the dropped tokens' blocks back to the pool.
+"""Selective caching: eviction policies that keep a budget of N tokens per sequence and KV head.
+Pure policy: scores in, kept slots out. The cache does the keeping (cache.PagedKVCache.keep_only).
 
 A spec's `evict=POLICY:N` sets the budget. Sinks (`sink=`) and the most recent `residual` tokens
 count against it and are never evicted. Each layer and KV head keeps its own tokens; keys carry
@@ -13,13 +13,17 @@ their RoPE position already, so after compaction attention reads every kept slot
   h2o        keep the heavy hitters, by attention accumulated over every query so far (prefill and
              decode), and the most recent half of the budget
 
-Compaction dequantizes a sequence's kept keys and values, frees all its blocks and stores the
-kept ones again from slot 0 through the ordinary store path, so it composes with every format (a
-per-token code stored again from its own dequantized value keeps its code), with sinks, residual
-windows and offload (an evicted block is freed, never staged).
+`Policy` says when a sequence compacts and what it keeps; `Scores` holds the attention its slots
+received, for snapkv and h2o. Compaction (the cache's) dequantizes a sequence's kept keys and
+values, frees all its blocks and stores the kept ones again from slot 0 through the ordinary store
+path, so it composes with every format (a per-token code stored again from its own dequantized
+value keeps its code), with sinks, residual windows and offload (an evicted block is freed, never
+staged).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -80,97 +84,99 @@ def attention_received(q: torch.Tensor, q_slots: torch.Tensor, keys: torch.Tenso
     query group -> (H, n)."""
     T, Hq, D = q.shape
     H, n, _ = keys.shape
-    qg = q.float().view(T, H, Hq // H, D).permute(1, 0, 2, 3).reshape(H, -1, D)  # (H, T*rep, D)
+    n_rep = Hq // H  # query heads per KV head (GQA)
+    qg = q.float().view(T, H, n_rep, D).permute(1, 0, 2, 3).reshape(H, -1, D)  # (H, T*rep, D)
     s = qg @ keys.float().transpose(1, 2) * sm_scale  # (H, T * rep, n)
     visible = torch.arange(n, device=q.device) <= q_slots[:, None]  # (T, n)
-    visible = visible.repeat_interleave(Hq // H, 0)  # (T * rep, n)
+    visible = visible.repeat_interleave(n_rep, 0)  # (T * rep, n)
     p = s.masked_fill(~visible, float("-inf")).softmax(-1)
     return p.sum(1)  # (H, n)
 
 
-def over_budget(policy: str, slots: int, budget: int, block_size: int) -> bool:
-    """Whether a sequence compacts now: when it holds a block more than its budget (snapkv only
-    at the end of its prompt, decided by the caller)."""
-    if policy == "snapkv":
-        return False
-    return slots - budget >= block_size
+@dataclass(frozen=True)
+class Policy:
+    """A spec's `evict=POLICY:N`, with the sinks and residual window it protects: when a sequence
+    compacts, which of its queries score, and what it keeps."""
+    name: str  # streaming | knorm | snapkv | h2o
+    budget: int  # tokens kept per sequence and KV head
+    sink: int
+    residual: int
+
+    @classmethod
+    def from_spec(cls, spec: KVSpec) -> Policy | None:
+        """The spec's policy; None when it evicts nothing."""
+        if not spec.evict:
+            return None
+        return cls(name=spec.evict, budget=spec.budget, sink=spec.sink, residual=spec.residual)
+
+    @property
+    def scores_attention(self) -> bool:
+        """Whether the policy keeps what queries attend to (the cache then tracks Scores)."""
+        return self.name in ("snapkv", "h2o")
+
+    def scored_rows(self, start: int, n_new: int, sampled: bool) -> slice | None:
+        """Which of a sequence's queries (its n_new packed rows from `start`) add to its scores:
+        every query for h2o; for snapkv a prompt's last WINDOW queries, once the prompt is in."""
+        rows = slice(start, start + n_new)
+        if self.name != "snapkv":
+            return rows
+        if n_new == 1 or not sampled:
+            return None  # decoding appends as usual; a prompt is scored at its end
+        return slice(max(rows.start, rows.stop - WINDOW), rows.stop)
+
+    def due(self, slots: int, n_new: int, sampled: bool, block_size: int) -> bool:
+        """Whether a sequence holding `slots` compacts after a step that fed it n_new tokens (and
+        sampled from it, or not): snapkv once its prompt is in, the others a block over budget."""
+        if slots <= self.budget:
+            return False
+        if self.name == "snapkv":
+            return n_new > 1 and sampled
+        return slots - self.budget >= block_size
+
+    def keep(self, keys: torch.Tensor, score: torch.Tensor | None) -> torch.Tensor:
+        """The slots (L, H, budget), ascending, that a sequence with keys (L, H, n, D) keeps,
+        given the attention its slots received (L, H, n) for snapkv and h2o."""
+        L, H, n, _ = keys.shape
+        kept = select(self.name, n, self.budget, self.sink, self.residual, keys=keys, score=score)
+        return kept.expand(L, H, -1)
 
 
-class Evictor:
-    """One cache's eviction: the scores a policy keeps per sequence, and when to compact. It reads
-    and rewrites a sequence through the cache's public parts (seq_kv, layer_kv, tables, pools)."""
+class Scores:
+    """The attention each cached slot has received, per sequence, layer and KV head, for the
+    policies that keep what queries attend to: snapkv scores a prompt's last chunk afresh, h2o
+    keeps adding up."""
 
-    def __init__(self, spec: KVSpec, n_layers: int, n_kv_heads: int):
-        self.spec, self.n_layers, self.n_kv_heads = spec, n_layers, n_kv_heads
-        self.scores: dict[int, torch.Tensor] = {}  # attention received (L, H, room >= slots)
+    def __init__(self, policy: Policy, n_layers: int, n_kv_heads: int):
+        self.policy, self.n_layers, self.n_kv_heads = policy, n_layers, n_kv_heads
+        self.by_seq: dict[int, torch.Tensor] = {}  # (L, H, room >= slots)
+
+    def prepare(self, seq_id: int, slots: int, n_new: int, device: torch.device) -> None:
+        """Room for a sequence's `slots` (this step's included) before its queries are scored."""
+        if self.policy.name == "snapkv" and n_new == 1:
+            return  # decoding appends as usual
+        old = self.by_seq.get(seq_id)
+        h2o = self.policy.name == "h2o"
+        if h2o and old is not None and old.shape[-1] >= slots:
+            return
+        fresh = torch.zeros(self.n_layers, self.n_kv_heads, 2 * slots, device=device)
+        if h2o and old is not None:
+            fresh[..., :old.shape[-1]] = old
+        self.by_seq[seq_id] = fresh
+
+    def add(self, seq_id: int, layer: int, received: torch.Tensor) -> None:
+        """Attention received (H, n) by a sequence's first n slots in one layer."""
+        self.by_seq[seq_id][layer, :, :received.shape[-1]] += received
+
+    def get(self, seq_id: int, n: int) -> torch.Tensor | None:
+        """The scores (L, H, n) of a sequence's n slots; None if it has none."""
+        score = self.by_seq.get(seq_id)
+        return None if score is None else score[..., :n]
+
+    def keep(self, seq_id: int, kept: torch.Tensor) -> None:
+        """After compaction: the scores of the kept slots (L, H, budget) come along."""
+        score = self.by_seq.get(seq_id)
+        if score is not None:
+            self.by_seq[seq_id] = score.gather(-1, kept)
 
     def forget(self, seq_id: int) -> None:
-        self.scores.pop(seq_id, None)
-
-    def prepare(self, cache, seq_ids: list[int], n_new: list[int]) -> None:
-        """Room in the score buffers for this step's slots: snapkv scores a prompt's last chunk
-        afresh, h2o keeps adding up."""
-        policy = self.spec.evict
-        if policy not in ("snapkv", "h2o"):
-            return
-        for sid, n in zip(seq_ids, n_new):
-            if policy == "snapkv" and n == 1:
-                continue  # decoding appends as usual
-            slots = cache.slots(sid)
-            old = self.scores.get(sid)
-            if policy == "h2o" and old is not None and old.shape[-1] >= slots:
-                continue
-            fresh = torch.zeros(self.n_layers, self.n_kv_heads, 2 * slots, device=cache.device)
-            if policy == "h2o" and old is not None:
-                fresh[..., :old.shape[-1]] = old
-            self.scores[sid] = fresh
-
-    def observe(self, cache, layer: int, q: torch.Tensor, plan) -> None:
-        """Attention each cached slot receives from this step's queries q (N, Hq, D), per
-        sequence and KV head: accumulated for h2o; for snapkv, from a prompt's last queries."""
-        policy = self.spec.evict
-        if policy not in ("snapkv", "h2o"):
-            return
-        start = 0
-        for row, (sid, n_new) in enumerate(zip(plan.seq_ids, plan.n_new)):
-            rows = slice(start, start + n_new)
-            start += n_new
-            if policy == "snapkv":
-                if n_new == 1 or not plan.sampled[row]:
-                    continue  # a prompt is scored at its end, by its last WINDOW queries
-                rows = slice(max(rows.start, rows.stop - WINDOW), rows.stop)
-            n = int(plan.ctx_lens[row])
-            tables = {tier: t[row:row + 1] for tier, t in plan.tables.items()}
-            keys = cache.layer_kv(layer, 0, tables)[:, :n]  # (H, n, D)
-            got = attention_received(q[rows], plan.q_slots[rows], keys, cache.sm_scale)
-            self.scores[sid][layer, :, :n] += got  # (H, n)
-
-    def after_step(self, cache, plan) -> None:
-        """Compact the step's sequences that went over budget (snapkv: once a prompt is in)."""
-        budget = self.spec.budget
-        for sid, n_new, sampled in zip(plan.seq_ids, plan.n_new, plan.sampled):
-            slots = cache.slots(sid)
-            if slots <= budget:
-                continue
-            prompt_in = self.spec.evict == "snapkv" and n_new > 1 and sampled
-            if prompt_in or over_budget(self.spec.evict, slots, budget, cache.bs):
-                self.compact(cache, sid)
-
-    def compact(self, cache, seq_id: int) -> None:
-        """Keep the budget per layer and KV head; give every other block back to the pool."""
-        spec = self.spec
-        k, v = cache.seq_kv(seq_id)  # (L, H, n, D)
-        L, H, n, D = k.shape
-        score = self.scores.get(seq_id)
-        if score is not None:
-            score = score[..., :n]  # (L, H, n)
-        keep = select(spec.evict, n, spec.budget, spec.sink, spec.residual, keys=k, score=score)
-        keep = keep.expand(L, H, -1)  # (L, H, budget), ascending
-        idx = keep[..., None].expand(-1, -1, -1, D)
-        k, v = k.gather(2, idx), v.gather(2, idx)  # (L, H, budget, D)
-        step = cache.step_slots(cache.tables.rewrite(seq_id, spec.budget))
-        for layer in range(L):
-            cache.pools.write(layer, k[layer].transpose(0, 1), v[layer].transpose(0, 1), step)
-        cache.tables.commit([seq_id])
-        if score is not None:
-            self.scores[seq_id] = score.gather(-1, keep)
+        self.by_seq.pop(seq_id, None)

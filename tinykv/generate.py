@@ -120,17 +120,17 @@ class Engine:
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_batch:
             r = self.waiting[0]
-            need = self.cache.blocks_needed(r.rid, len(r.tokens))
-            if self.running and need > self.cache.blocks_free_total:
+            need = self.cache.tables.blocks_needed(r.rid, len(r.tokens))
+            if self.running and need > self.cache.tables.free_everywhere():
                 break  # wait for running requests to finish and free blocks
             self.waiting.popleft()
-            if not self.cache.has(r.rid):  # new, or recomputed after preemption (not swapped)
+            if r.rid not in self.cache.tables.seqs:  # new, or preempted and not swapped
                 r.cached = self.cache.add_sequence(r.rid, r.tokens)
             self.running.append(r)
 
     def _preempt(self, swap: bool) -> None:
         r = self.running.pop()  # the newest
-        if not (swap and self.cache.swap_out(r.rid)):
+        if not (swap and self.cache.tables.tiers.swap_out(r.rid)):
             self.cache.free(r.rid)  # no tier to swap to: recompute it later
             r.cached = 0
         self.waiting.appendleft(r)
@@ -259,7 +259,7 @@ def generation_stats(eng: Engine) -> dict:
         "prefill_tokens_per_s": st.prefill_tokens / st.prefill_s if st.prefill_s else 0.0,
         "decode_tokens_per_s": st.decode_tokens / st.decode_s if st.decode_s else 0.0,
         "kv_spec": str(cache.spec), "kv_bytes_per_token": cache.bytes_per_token,
-        "kv_pool_bytes": cache.nbytes, "blocks_used": cache.peak_blocks,
+        "kv_pool_bytes": cache.nbytes, "blocks_used": cache.tables.peak_blocks,
         "blocks_total": cache.num_blocks, "hot_blocks_total": cache.n_hot,
         "preemptions": st.preemptions, "saturated_values": cache.saturated,
         "attention": cache.kernels.name, "warnings": [],

@@ -20,10 +20,12 @@ from typing import NamedTuple
 
 import torch
 
-from .blocks import HOT, CacheError
+from .blocks import HOT, STORE, CacheError
 from .kernels.layout import PoolLayer
+from .kernels.reference import gather_dequant
 from .model import Config
 from .quant import KVSpec, QuantParams, bytes_per_token, compute_scales, quantize
+from .tables import SlotRows
 
 _FLOAT_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -87,6 +89,16 @@ class SlotIndex(NamedTuple):
     token: torch.Tensor | slice  # (n,) rows of the step's k and v; a slice when all go here
     block: torch.Tensor  # (n,) block ids in the pool
     offset: torch.Tensor  # (n,) slots within those blocks
+
+    @classmethod
+    def of(cls, rows: SlotRows, n_tokens: int, device: torch.device) -> SlotIndex:
+        """The tables' rows of a step of n_tokens tokens, on the device."""
+        def index(x: list[int]) -> torch.Tensor:
+            return torch.tensor(x, dtype=torch.long, device=device)
+
+        all_here = len(rows.token) == n_tokens  # every token goes to this pool: no gather
+        token = slice(None) if all_here else index(rows.token)
+        return cls(token=token, block=index(rows.block), offset=index(rows.offset))
 
 
 @dataclass
@@ -180,6 +192,17 @@ class KVPools:
                 if not isinstance(n_sat, int) or n_sat:  # adding a Python 0 costs an op too
                     self._saturated += n_sat
 
+    def read(self, layer: int, which: int, tables: dict[int, torch.Tensor]) -> torch.Tensor:
+        """K (which=0) or V (1) of one layer of one sequence, dequantized, from its blocks
+        (tables: pool -> (1, MB) block ids, -1 where a block is elsewhere): (H, MB * BS, D)."""
+        x = gather_dequant(self.views[layer][which], tables[STORE])[0]  # (H, S, D)
+        if HOT in tables:
+            hot = gather_dequant(self.hot_views[layer][which], tables[HOT])[0]  # (H, S, D)
+            block_size = self.hot.shape[-2]
+            in_hot = (tables[HOT][0] >= 0).repeat_interleave(block_size)  # (S,)
+            x = torch.where(in_hot[None, :, None], hot, x)
+        return x
+
     def copy_within(self, pool: int, src: int, dst: int) -> None:
         """Copy one block to another slot of the same pool (copy on write)."""
         if pool == HOT:
@@ -216,6 +239,29 @@ class KVPools:
 
 
 # ---- sizing: what a pool of a spec costs, and whether the machine holds it ---------------------
+def store_blocks(cfg: Config, spec: KVSpec, *, tokens: int | None, blocks: int | None,
+                 budget_bytes: int | None, block_size: int, max_seqs: int, max_step_tokens: int,
+                 dtype: torch.dtype) -> int:
+    """Blocks of the store pool: `blocks`, or as many as `budget_bytes` pays for (block_bytes), or
+    enough for `tokens` tokens in all (fewer when every sequence holds at most an eviction
+    budget)."""
+    if sum(x is not None for x in (tokens, blocks, budget_bytes)) != 1:
+        raise CacheError("size the cache by exactly one of tokens, blocks or budget_bytes")
+    if blocks is None and budget_bytes is not None:
+        per_block = block_bytes(cfg, spec, block_size, dtype)
+        blocks = int(budget_bytes // per_block)
+        if blocks < 1:
+            raise CacheError(f"a KV budget of {budget_bytes} bytes holds no block of {block_size} "
+                             f"tokens ({per_block:.0f} bytes under '{spec}')")
+    if blocks is None and spec.evict not in ("", "snapkv"):  # a budget, a block, a step at most
+        tokens = min(tokens, max_seqs * (spec.budget + 2 * block_size) + max_step_tokens)
+    if blocks is None:
+        blocks = max(8, math.ceil(tokens / block_size) + 2 * max_seqs)
+    if blocks < 1:
+        raise CacheError(f"the KV pool needs at least one block (got {blocks})")
+    return blocks
+
+
 def hot_blocks(spec: KVSpec, block_size: int, max_seqs: int, max_step_tokens: int) -> int:
     """Full-precision blocks a cache keeps: each sequence's sinks, residual window and tail, plus
     the blocks one step may fill before `commit` quantizes them, or, when larger, the blocks an
@@ -239,6 +285,17 @@ def block_bytes(cfg: Config, spec: KVSpec, block_size: int,
     n_skip = len(spec.skipped(cfg.n_layers))
     full = 2 * H * D * dtype.itemsize
     return ((cfg.n_layers - n_skip) * per_token + n_skip * full) * block_size
+
+
+def check_fits(cfg: Config, spec: KVSpec, *, blocks: int, n_hot: int, block_size: int,
+               dtype: torch.dtype, device: torch.device, host_blocks: int) -> None:
+    """Refuse, before allocating, a cache whose pools (the store and hot pools on the device, the
+    host tier in CPU memory) the machine cannot hold."""
+    per_block = block_bytes(cfg, spec, block_size, dtype)
+    hot_bytes = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * block_size * dtype.itemsize
+    check_memory(blocks * per_block + n_hot * hot_bytes, device)
+    if host_blocks:  # the host tier lives in CPU memory
+        check_memory(host_blocks * per_block, torch.device("cpu"))
 
 
 def check_memory(need: float, device: torch.device) -> None:

@@ -8,27 +8,28 @@ cannot be computed yet, `sink` blocks, and blocks inside the `residual` window; 
 `commit` moves finished hot blocks to the store, oldest first. Full store blocks are hashed by their
 tokens and the previous block's hash, so a new sequence with a known prefix reuses them.
 
-With offload tiers (HOST, DISK), blocks move down when the device pool is short: full blocks of
-sequences not in the current step first, least recently run first; then the oldest full blocks of
-the running ones. When the host tier is full its oldest block moves on to disk.
+With offload tiers (HOST, DISK), blocks move down when the device pool is short: which ones is
+tiers.py's policy, which the tables ask for room and for a written block's way back.
 """
 
 from __future__ import annotations
 
 import math
-from collections import Counter, OrderedDict
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import NamedTuple
 
-from .blocks import DISK, HOST, HOT, STORE, TIER_NAMES, Allocator, PoolExhausted, SeqState
-
-
-class BlockData(Protocol):
-    """What the tables ask of whoever holds the blocks' contents."""
-
-    def copy_block(self, src_tier: int, src: int, dst_tier: int, dst: int) -> None: ...
-
-    def quantize_hot(self, hot_block: int, store_block: int) -> None: ...
+from .blocks import (
+    DISK,
+    HOST,
+    HOT,
+    STORE,
+    TIER_NAMES,
+    Allocator,
+    BlockData,
+    PoolExhausted,
+    SeqState,
+)
+from .tiers import TierPolicy
 
 
 class SlotRows(NamedTuple):
@@ -72,10 +73,7 @@ class BlockTables:
             self.alloc[DISK] = Allocator(disk_blocks)
         self.seqs: dict[int, SeqState] = {}
         self.peak_blocks = 0
-        self.host_order: OrderedDict[int, None] = OrderedDict()  # host blocks, oldest arrival first
-        self.last_step: dict[int, int] = {}  # sequence -> step it last ran, for LRU
-        self.step = 0
-        self.counts: Counter = Counter()  # blocks moved between tiers
+        self.tiers = TierPolicy(self.alloc, self.seqs, data)  # what moves to host and disk
 
     # ---- sizes ----------------------------------------------------------------------------------
     def free_blocks(self, tier: int = STORE) -> int:
@@ -129,10 +127,7 @@ class BlockTables:
     def free(self, seq_id: int) -> None:
         for tier, b in self.seqs.pop(seq_id).blocks:
             self.alloc[tier].decref(b)
-            if tier in (HOST, DISK) and self.alloc[tier].ref[b] == 0:
-                self.counts["blocks_freed_offloaded"] += 1
-            if tier == HOST and self.alloc[tier].ref[b] == 0:
-                self.host_order.pop(b, None)  # a freed host block is no candidate to move on
+            self.tiers.freed(tier, b)
 
     def _first_tier(self, j: int) -> int:
         """Where logical block j starts its life."""
@@ -146,7 +141,7 @@ class BlockTables:
         shared.
         Raises PoolExhausted, having changed nothing, when the step (and its commit) may not fit."""
         self._check_room(seq_ids, new_tokens)
-        self._note_step(seq_ids)
+        self.tiers.note_step(seq_ids)
         rows = {STORE: SlotRows([], [], []), HOT: SlotRows([], [], [])}
         positions, q_slots, q_seq, n = [], [], [], 0
         for row, (sid, toks) in enumerate(zip(seq_ids, new_tokens)):
@@ -175,7 +170,7 @@ class BlockTables:
     def _make_writable(self, st: SeqState, j: int) -> None:
         tier, b = st.blocks[j]
         if tier in (HOST, DISK):  # offloaded: bring it back to the device
-            b = self.move(tier, b, STORE)
+            b = self.tiers.move(tier, b, STORE)
             tier = STORE
         if self.alloc[tier].ref[b] > 1:  # shared (a fork, a prefix): copy on write
             nb = self.alloc[tier].alloc(TIER_NAMES[tier])
@@ -203,7 +198,7 @@ class BlockTables:
                 full_and_old = (j + 1) * self.bs <= n1 - self.residual
                 need[STORE] += tier == HOT and j >= self.sink_blocks and full_and_old
         if HOST in self.alloc and need[STORE] > self.free_blocks():
-            self.make_room(need[STORE] - self.free_blocks(), seq_ids)
+            self.tiers.make_room(need[STORE] - self.free_blocks(), seq_ids)
         for tier in (STORE, HOT):
             free = self.free_blocks(tier)
             if need[tier] > free:
@@ -272,75 +267,6 @@ class BlockTables:
         st.tokens = tokens
         st.evicted = len(tokens) - n
         return slots
-
-    # ---- offload policy -------------------------------------------------------------------------
-    def _note_step(self, seq_ids: list[int]) -> None:
-        self.step += 1
-        for s in seq_ids:
-            self.last_step[s] = self.step
-
-    def move(self, src_tier: int, src: int, dst_tier: int) -> int:
-        """Move one block to another tier; every table that held it follows, its refs too."""
-        dst = self.alloc[dst_tier].alloc(TIER_NAMES[dst_tier])
-        self.data.copy_block(src_tier, src, dst_tier, dst)
-        refs = self.alloc[src_tier].ref[src]
-        self.alloc[dst_tier].ref[dst] = refs
-        for st in self.seqs.values():
-            st.blocks = [(dst_tier, dst) if e == (src_tier, src) else e for e in st.blocks]
-        self.alloc[src_tier].forget(src)
-        for _ in range(refs):
-            self.alloc[src_tier].decref(src)
-        if src_tier == HOST:
-            self.host_order.pop(src, None)
-        if dst_tier == HOST:
-            self.host_order[dst] = None
-        self.counts[f"blocks_{TIER_NAMES[src_tier]}_to_{TIER_NAMES[dst_tier]}"] += 1
-        return dst
-
-    def _move_down(self, b: int) -> None:
-        if not self.alloc[HOST].free:
-            if DISK not in self.alloc or not self.alloc[DISK].free or not self.host_order:
-                self._raise_full()
-            self.move(HOST, next(iter(self.host_order)), DISK)
-        self.move(STORE, b, HOST)
-
-    def make_room(self, n: int, running: list[int]) -> None:
-        """Move n full device blocks down: idle sequences' (least recently run first), then the
-        running ones'."""
-        idle = [s for s in self.seqs if s not in running]
-        idle.sort(key=lambda s: self.last_step.get(s, -1))
-        victims: list[int] = []
-        for sid in idle + list(running):
-            st = self.seqs[sid]
-            for tier, b in st.blocks[:st.done]:
-                if tier == STORE and b not in victims:
-                    victims.append(b)
-            if len(victims) >= n:
-                break
-        if len(victims) < n:
-            self._raise_full()
-        for b in victims[:n]:
-            self._move_down(b)
-
-    def swap_out(self, seq_id: int) -> bool:
-        """Preemption by swapping: all of a sequence's own device blocks move down, if room."""
-        if HOST not in self.alloc:
-            return False
-        store = self.alloc[STORE]
-        mine = [b for tier, b in self.seqs[seq_id].blocks if tier == STORE and store.ref[b] == 1]
-        room = sum(len(self.alloc[t].free) for t in (HOST, DISK) if t in self.alloc)
-        if len(mine) > room:
-            return False
-        for b in mine:
-            self._move_down(b)
-        self.counts["swapped_out_sequences"] += 1
-        return True
-
-    def _raise_full(self) -> None:
-        sizes = [f"{TIER_NAMES[t]} {len(a.ref)}" for t, a in self.alloc.items() if t != HOT]
-        tiers = ", ".join(sizes)
-        raise PoolExhausted(f"KV cache full on every tier (blocks: {tiers}); raise --device-blocks "
-                            "or --host-blocks", None)
 
     def placed(self, seq_ids: list[int], tiers: tuple[int, ...]) -> list[PlacedBlock]:
         """Every block of these sequences that lives on `tiers`."""
