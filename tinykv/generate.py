@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from .blocks import STORE, PoolExhausted
-from .cache import PagedKVCache
+from .cache import PagedKVCache, Plan
 from .model import Config, Transformer
 from .quant import KVSpec
 
@@ -137,32 +137,56 @@ class Engine:
         self.stats.preemptions += 1
 
     def step(self) -> list[tuple[int, int]]:
-        """One model step over all running requests; returns the (request id, token) pairs
-        sampled."""
+        """One model step over all running requests: schedule, forward, sample, account. Returns
+        the (request id, token) pairs sampled."""
         self._admit()
         t0 = time.perf_counter()
-        while True:
-            if not self.running:
-                return []
-            budget, feed = self.chunk, []
-            if not self.cache.offload:  # a block kept back per running sequence, one for a partial
-                free = self.cache.blocks_free - len(self.running) - 1
-                budget = min(self.prefill_chunk, max(budget, free * self.cache.bs))
-            for r in self.running:
-                n = min(len(r.tokens) - r.cached, max(budget, 1))
-                feed.append(r.tokens[r.cached:r.cached + n])
-                budget -= n
+        scheduled = self._schedule()
+        if scheduled is None:
+            return []
+        plan, feed, done = scheduled
+        logits = self._forward(plan, feed)  # (len(done), V)
+        for r, toks in zip(self.running, feed):
+            r.cached += len(toks)
+        out = self._sample(logits, done)
+        self._account(feed, time.perf_counter() - t0)
+        return out
+
+    def _schedule(self) -> tuple[Plan, list[list[int]], list[int]] | None:
+        """The cache's plan for the running requests' next tokens, those tokens, and the rows of
+        the requests that sample after them. While the pool cannot hold the step, the newest
+        request is preempted. None when nothing runs."""
+        while self.running:
+            feed = self._feed()
             done = [i for i, (r, t) in enumerate(zip(self.running, feed))
                     if r.cached + len(t) == len(r.tokens)]
             try:
                 plan = self.cache.plan([r.rid for r in self.running], feed, logits=done)
-                break
+                return plan, feed, done
             except PoolExhausted as e:
                 if len(self.running) == 1:
                     raise
                 self._preempt(swap=e.pool == STORE)  # plan() allocates nothing when it fails
+        return None
+
+    def _feed(self) -> list[list[int]]:
+        """Each running request's next uncached tokens (a prefill chunk, or the token sampled
+        last step), within the step's token budget."""
+        budget, feed = self.chunk, []
+        if not self.cache.offload:  # a block kept back per running sequence, one for a partial
+            free = self.cache.blocks_free - len(self.running) - 1
+            budget = min(self.prefill_chunk, max(budget, free * self.cache.bs))
+        for r in self.running:
+            n = min(len(r.tokens) - r.cached, max(budget, 1))
+            feed.append(r.tokens[r.cached:r.cached + n])
+            budget -= n
+        return feed
+
+    def _forward(self, plan: Plan, feed: list[list[int]]) -> torch.Tensor:
+        """The model over the step's packed tokens, then the cache's commit; NaN or inf is an
+        error. Returns the logits of the rows the plan asked for."""
         tokens = torch.tensor(sum(feed, []), dtype=torch.long, device=plan.positions.device)
-        logits = self.model(tokens, plan)  # (len(done), V)
+        logits = self.model(tokens, plan)
         self.cache.commit(plan)
         # Dynamic scales always fit finite values, so any count here is a NaN or a float format
         # overflowing to inf: attention over it is meaningless, whatever a kernel makes of it.
@@ -170,30 +194,34 @@ class Engine:
         if overflowed or not bool(logits.isfinite().all()):  # sampling syncs anyway
             raise NumericsError("NaN/inf in the KV cache or the logits: the cache overflowed or "
                                 "its scales are unusable (try fp32 or a wider spec, recalibrate)")
+        return logits
+
+    def _sample(self, logits: torch.Tensor, done: list[int]) -> list[tuple[int, int]]:
+        """One token for each request that consumed all its known tokens (logits row by row of
+        `done`); a request with n > 1 forks first."""
         out = []
-        for r, toks in zip(list(self.running), feed):
-            r.cached += len(toks)
-        # requests that consumed all their known tokens sample one more
         for row, i in enumerate(done):
             for child in self._fork(self.running[i]):
                 tok = sample(logits[row], child.sampling, child.gen)
                 child.tokens.append(tok)
                 out.append((child.rid, tok))
                 self._check_done(child, tok)
-        dt = time.perf_counter() - t0
+        return out
+
+    def _account(self, feed: list[list[int]], seconds: float) -> None:
+        """The step's tokens and time in the run's statistics; finished requests leave."""
         n_tok = sum(len(t) for t in feed)
         decoding = all(len(t) == 1 for t in feed) and self.stats.steps > 0
         if decoding:
             self.stats.decode_tokens += n_tok
-            self.stats.decode_s += dt
+            self.stats.decode_s += seconds
         else:
             self.stats.prefill_tokens += n_tok
-            self.stats.prefill_s += dt
+            self.stats.prefill_s += seconds
         self.stats.steps += 1
         for r in [r for r in self.running if r.finish]:
             self.running.remove(r)
             self.cache.free(r.rid)
-        return out
 
     def _fork(self, r: Request) -> list[Request]:
         """The first time a request with n > 1 samples, split it into n sequences sharing its
