@@ -185,15 +185,21 @@ def compute_scales(x: torch.Tensor, p: QuantParams, scale_dtype: torch.dtype = t
     mx = xg.where(fin, float("-inf")).amax(dims, keepdim=True).squeeze(-1)
     empty = mn > mx  # no finite value in the group
     mn, mx = mn.masked_fill(empty, 0.0), mx.masked_fill(empty, 0.0)
-    # zero may leave [0, qmax] by `room` so that a group far from 0 (a KIVI key channel) keeps its
-    # resolution, yet stays an integer the scale dtype holds exactly (x / scale + zero stays exact
-    # to ~2^-12 step in fp32). Divide before subtracting so huge ranges cannot overflow.
+    # Divide before subtracting so huge ranges cannot overflow.
     qmax = p.qmax
-    room = min(round(2 / torch.finfo(scale_dtype).eps), 2048) - qmax
+    room = zero_room(p, scale_dtype)
     s = torch.maximum(mx / qmax - mn / qmax, torch.maximum(mn / room, -mn / (qmax + room)))
     scale = cast_up(s, scale_dtype)
     zero = (-mn / scale.float()).round().clamp(-room, qmax + room)
     return scale, zero.to(scale_dtype)
+
+
+def zero_room(p: QuantParams, scale_dtype: torch.dtype = torch.float16) -> int:
+    """How far an asym zero point may leave [0, qmax], either way: far enough that a group far from
+    0 (a KIVI key channel) keeps its resolution, near enough that the zero stays an integer the
+    scale dtype holds exactly (x / scale + zero stays exact to ~2^-12 step in fp32). Every store
+    (compute_scales, the CPU and Triton kernels) clamps zero points with it."""
+    return min(round(2 / torch.finfo(scale_dtype).eps), 2048) - p.qmax
 
 
 def _zero_point(p: QuantParams, zero: torch.Tensor | None) -> torch.Tensor | int:

@@ -7,7 +7,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..quant import FP8_MAX, QuantParams
+from ..quant import zero_room
+from ..spec import FP8_MAX, QuantParams
 from .cpu_numerics import (
     AVAILABLE,
     BF16,
@@ -98,10 +99,11 @@ def quantize_store_cpu(x: torch.Tensor, p: QuantParams, data: torch.Tensor,
     assert not dynamic or (scale.shape == (data.shape[0], H, BS, p.ngroups(D))
                            and scale.dtype in (torch.float16, torch.bfloat16)), \
         "dynamic scales are stored per slot, (NB, H, BS, G), in a 16-bit float"
-    fi = torch.finfo(torch.float16 if scale is None else scale.dtype)
+    scale_dtype = torch.float16 if scale is None else scale.dtype
+    fi = torch.finfo(scale_dtype)
     fp8 = p.dtype == "fp8"
     lo, hi = (-FP8_MAX, FP8_MAX) if fp8 else (p.qmin + p.offset, p.qmax + p.offset)
-    room = min(round(2 / fi.eps), 2048) - p.qmax  # as quant.compute_scales
+    room = zero_room(p, scale_dtype)
     pool = _pool(PoolLayer(data, scale, zero, p), H, BS, D)
     if n == 0:
         return 0

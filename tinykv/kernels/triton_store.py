@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from ..quant import FP8_MAX, QuantParams
+from ..quant import zero_room
+from ..spec import FP8_MAX, QuantParams
 from .layout import PoolLayer
 from .triton import _i32, _jit, _pool_args, tl, triton
 
@@ -135,7 +136,8 @@ def _store_args(x: torch.Tensor, p: QuantParams, data: torch.Tensor, scale: torc
     assert x.stride(-1) == 1 and blk.shape == off.shape == (n,), "x (n, H, D), blk and off (n,)"
     per_slot = scale is None or (scale.shape[::2] == data.shape[::2] and scale.dtype.itemsize == 2)
     assert p.static or per_slot, "dynamic scales are stored per slot, (NB, H, BS, G), in 16 bits"
-    fi = torch.finfo(torch.float16 if scale is None else scale.dtype)
+    scale_dtype = torch.float16 if scale is None else scale.dtype
+    fi = torch.finfo(scale_dtype)
     if p.dtype == "fp8":
         code_min, code_max = -FP8_MAX, FP8_MAX
     elif p.sym:
@@ -147,7 +149,7 @@ def _store_args(x: torch.Tensor, p: QuantParams, data: torch.Tensor, scale: torc
         offs=_i32(off), count=count, qmax=float(p.qmax),
         code_min=float(code_min), code_max=float(code_max),
         slack=0.0 if p.dtype == "fp8" else 0.5,  # saturated: more than half a step outside
-        zero_room=float(min(round(2 / fi.eps), 2048) - p.qmax),  # as quant.compute_scales
+        zero_room=float(zero_room(p, scale_dtype)),
         scale_tiny=fi.tiny, scale_big=fi.max,
         **{name: value for name, value in pa.kernel_args().items() if name != "STATIC"},
         DYNAMIC=not p.static, PB=p.per_byte, G=G, GP=triton.next_power_of_2(G), D=D,
