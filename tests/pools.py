@@ -4,7 +4,8 @@ tests)."""
 import torch
 
 from tinykv.kernels import PoolLayer
-from tinykv.quant import QuantParams, compute_scales, quantize
+from tinykv.quant import compute_scales, quantize
+from tinykv.spec import QuantParams
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 NB = 24  # physical blocks per pool

@@ -9,7 +9,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from tinykv.blocks import HOT, STORE, PoolExhausted
 from tinykv.cache import make_cache
 from tinykv.model import Config
-from tinykv.quant import KVSpec
+from tinykv.spec import KVSpec
 
 CFG = Config(vocab_size=64, dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=32)
 

@@ -7,7 +7,7 @@ import torch
 from tinykv.cache import PoolExhausted, make_cache
 from tinykv.generate import Engine, Sampling
 from tinykv.model import Config, Transformer
-from tinykv.quant import KVSpec
+from tinykv.spec import KVSpec
 
 SHAPES = [("llama", 4, 4, 64), ("llama", 6, 2, 80), ("qwen2", 4, 1, 64), ("gpt2", 4, 4, 64),
           ("gpt_bigcode", 4, 1, 64)]

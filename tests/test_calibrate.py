@@ -11,19 +11,12 @@ from test_cache import tiny
 from test_evaluate import ppl, sample_text, sharp_tiny
 
 from tinykv.cache import make_cache
-from tinykv.calibrate import (
-    CalibrationError,
-    calibrate,
-    export_vllm,
-    load_scales,
-    observe,
-    parse_observer,
-    plot_channels,
-    record,
-    save_scales,
-)
+from tinykv.calibrate import calibrate, export_vllm, observe, parse_observer, record
 from tinykv.evaluate import perplexity
-from tinykv.quant import KVSpec, QuantParams, quantize
+from tinykv.plots import plot_channels
+from tinykv.quant import quantize
+from tinykv.scalefile import CalibrationError, load_scales, save_scales
+from tinykv.spec import KVSpec, QuantParams
 
 # Axes of (L, H, T, D) reduced per scale group, with keepdims.
 AXES = {"tensor": (1, 2, 3), "head": (2, 3), "channel": (2,)}

@@ -88,9 +88,10 @@ def words(n: int) -> str:
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """Model folders (good and broken), texts, prompt files and scale files, by name."""
-    from tinykv.calibrate import calibrate, save_scales
+    from tinykv.calibrate import calibrate
     from tinykv.model import Transformer
-    from tinykv.quant import KVSpec
+    from tinykv.scalefile import save_scales
+    from tinykv.spec import KVSpec
 
     root = tmp_path_factory.mktemp("cli_files")
     cfg, good = tiny_config(), tiny_tensors(tiny_config())

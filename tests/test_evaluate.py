@@ -12,7 +12,7 @@ from test_cache import tiny
 from tinykv.cache import make_cache
 from tinykv.cli import main
 from tinykv.evaluate import as_stored, attention_error, perplexity, reference_perplexity
-from tinykv.quant import KVSpec, QuantParams
+from tinykv.spec import KVSpec, QuantParams
 
 
 def sharp_tiny(seed: int = 0):
@@ -171,8 +171,9 @@ def test_cli_calibrate_then_eval(hf_dir, tmp_path, capsys):
     ("int8:tensor:static", "other_model", "another model"),
 ])
 def test_cli_bad_scale_file_exits_1(hf_dir, tmp_path, capsys, kv, scales, why):
-    from tinykv.calibrate import calibrate, save_scales
+    from tinykv.calibrate import calibrate
     from tinykv.model import Transformer
+    from tinykv.scalefile import save_scales
 
     path = tmp_path / f"{scales}.safetensors"
     if scales == "garbage":

@@ -10,7 +10,7 @@ from test_cache import run_cached, tiny
 from tinykv import evict
 from tinykv.cache import CacheError, make_cache
 from tinykv.model import Config
-from tinykv.quant import KVSpec
+from tinykv.spec import KVSpec
 
 CFG = Config(vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=32, head_dim=16)
 POLICIES = ["streaming", "knorm", "snapkv", "h2o"]

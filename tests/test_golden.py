@@ -15,7 +15,7 @@ import torch
 from tinykv.cache import make_cache
 from tinykv.generate import Engine, Sampling
 from tinykv.model import Transformer
-from tinykv.quant import KVSpec
+from tinykv.spec import KVSpec
 from tinykv.tokenizer import Tokenizer
 
 RUN = str(Path(__file__).resolve().parent.parent / "run.py")

@@ -9,7 +9,7 @@ GPU) must be unset when the kernels are defined.
 import pytest
 from pools import ATTN_CASES
 
-from tinykv.quant import KVSpec, QuantParams
+from tinykv.spec import KVSpec, QuantParams
 
 pytest.importorskip("triton")
 

@@ -14,7 +14,7 @@ from test_reference import attention_f64
 
 from tinykv.kernels import cpu as kernels_cpu
 from tinykv.kernels.reference import merge_partials, paged_attention_ref, quantize_store_ref
-from tinykv.quant import QuantParams
+from tinykv.spec import QuantParams
 
 if not kernels_cpu.AVAILABLE:
     pytest.skip(kernels_cpu.REASON, allow_module_level=True)

@@ -11,7 +11,7 @@ from tests.pools import make_pool
 from tinykv.blocks import CacheError
 from tinykv.kernels import PoolLayer, check_layout, select_kernels, stored_format
 from tinykv.kernels.layout import FLOAT, FP8, INT
-from tinykv.quant import QuantParams
+from tinykv.spec import QuantParams
 
 # spec -> (family, bits, per_byte, signed, has_zero, offset, group size at D=64)
 FORMATS = {

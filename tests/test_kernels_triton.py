@@ -31,7 +31,7 @@ from pools import ATTN_CASES, DEV, make_batch, make_pool  # noqa: E402
 from tinykv.kernels.reference import merge_partials, paged_attention_ref, quantize_store_ref  # noqa: E402
 from tinykv.kernels.triton import blocks_per_iter, paged_attention_triton  # noqa: E402
 from tinykv.kernels.triton_store import quantize_store_triton  # noqa: E402
-from tinykv.quant import QuantParams  # noqa: E402
+from tinykv.spec import QuantParams  # noqa: E402
 
 
 @pytest.mark.parametrize("kspec,vspec,n_rep,D,BS", ATTN_CASES)

@@ -6,7 +6,7 @@ from hf_tiny import ARCHS, make_hf_model
 
 from tinykv.cache import make_cache
 from tinykv.model import Transformer
-from tinykv.quant import KVSpec
+from tinykv.spec import KVSpec
 
 
 @pytest.fixture(scope="module", params=ARCHS, ids=[a[0] for a in ARCHS])

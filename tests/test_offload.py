@@ -9,7 +9,7 @@ from tinykv.cache import make_cache
 from tinykv.generate import Engine, Sampling
 from tinykv.kernels.reference import merge_partials
 from tinykv.offload import DISK, HOST, STORE, OffloadConfig, OffloadError
-from tinykv.quant import KVSpec
+from tinykv.spec import KVSpec
 
 
 def generate(m, spec, prompts, num_blocks, attention="auto", **offload_kw):

@@ -8,8 +8,10 @@ from test_offload import generate
 
 from tinykv.blocks import CacheError
 from tinykv.cache import make_cache
-from tinykv.calibrate import CalibrationError, calibrate, export_vllm, record
-from tinykv.quant import KVSpec, SpecError, compute_scales, dequantize, quantize, rotation_matrix
+from tinykv.calibrate import calibrate, export_vllm, record
+from tinykv.quant import compute_scales, dequantize, quantize, rotation_matrix
+from tinykv.scalefile import CalibrationError
+from tinykv.spec import KVSpec, SpecError
 
 
 @pytest.mark.parametrize("n", [16, 64, 80, 128])

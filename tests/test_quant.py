@@ -5,17 +5,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tinykv.quant import (
-    KVSpec,
-    QuantParams,
-    SpecError,
-    bytes_per_token,
-    compute_scales,
-    dequantize,
-    pack,
-    quantize,
-    unpack,
-)
+from tinykv.quant import bytes_per_token, compute_scales, dequantize, pack, quantize, unpack
+from tinykv.spec import KVSpec, QuantParams, SpecError
 
 INTS = ("int8", "int4", "int2")
 GRANS = ("token", "g4", "channel", "head", "tensor")

@@ -10,7 +10,7 @@ import torch
 from tinykv.cache import make_cache
 from tinykv.generate import Engine, Sampling
 from tinykv.model import Transformer
-from tinykv.quant import KVSpec
+from tinykv.spec import KVSpec
 
 pytest.importorskip("triton")
 

@@ -21,7 +21,8 @@ from .kernels.reference import merge_partials
 from .model import Config
 from .offload import OffloadConfig, Offloader, StagedChunk, is_one_pass
 from .pools import KVPools, SlotIndex, block_bytes, check_fits, hot_blocks, store_blocks
-from .quant import KVSpec, layer_transforms
+from .quant import layer_transforms
+from .spec import KVSpec
 from .tables import BlockTables, Slots
 
 __all__ = ["CacheError", "Kernels", "PagedKVCache", "Plan", "PoolExhausted", "block_bytes",

@@ -26,8 +26,9 @@ from tqdm import tqdm
 
 from .model import Transformer
 from .plots import plot_channels
-from .quant import KVSpec, QuantParams, Transform, compute_scales, layer_transforms
-from .scalefile import FORMAT, CalibrationError, fingerprint, load_scales, save_scales  # noqa: F401
+from .quant import Transform, compute_scales, layer_transforms
+from .scalefile import CalibrationError, save_scales
+from .spec import KVSpec, QuantParams
 
 
 class Recorder:

@@ -39,15 +39,8 @@ from .cache import PagedKVCache
 from .calibrate import as_cached, record
 from .model import Transformer
 from .plots import pyplot
-from .quant import (
-    KVSpec,
-    QuantParams,
-    Transform,
-    compute_scales,
-    dequantize,
-    layer_transforms,
-    quantize,
-)
+from .quant import Transform, compute_scales, dequantize, layer_transforms, quantize
+from .spec import KVSpec, QuantParams
 
 SAMPLE_TEXT = Path(__file__).resolve().parent / "data" / "sample.txt"  # shipped, our own prose
 

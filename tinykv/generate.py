@@ -20,7 +20,7 @@ import torch
 from .blocks import STORE, PoolExhausted
 from .cache import PagedKVCache, Plan
 from .model import Config, Transformer
-from .quant import KVSpec
+from .spec import KVSpec
 
 
 class NumericsError(RuntimeError):

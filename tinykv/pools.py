@@ -24,7 +24,8 @@ from .blocks import HOT, STORE, CacheError
 from .kernels.layout import PoolLayer
 from .kernels.reference import gather_dequant
 from .model import Config
-from .quant import KVSpec, QuantParams, bytes_per_token, compute_scales, quantize
+from .quant import bytes_per_token, compute_scales, quantize
+from .spec import KVSpec, QuantParams
 from .tables import SlotRows
 
 _FLOAT_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}

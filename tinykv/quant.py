@@ -16,8 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-# The spec's names stay importable from here: quant is where formats and their math meet.
-from .spec import FP8_MAX, KVSpec, QuantParams, SpecError  # noqa: F401
+from .spec import FP8_MAX, KVSpec, QuantParams, SpecError
 
 # Dims reduced over the grouped view (..., H, T, G, D // G); the last one is squeezed afterwards.
 _REDUCE = {"token": (-1,), "group": (-1,), "channel": (-3, -1), "head": (-3, -1),

@@ -31,7 +31,8 @@ from .. import evaluate
 from ..cache import hot_blocks, make_cache
 from ..generate import Engine, Sampling
 from ..model import Config, Transformer
-from ..quant import KVSpec, bytes_per_token
+from ..quant import bytes_per_token
+from ..spec import KVSpec
 
 KIVI = "k=int4:channel:asym,v=int4:g32:asym,residual=64"
 DEFAULT_SPECS = ("fp16", "int8", "int4", KIVI)

@@ -33,7 +33,8 @@ from ..kernels.layout import PoolLayer
 from ..kernels.reference import paged_attention_ref
 from ..kernels.triton import triton
 from ..kernels.triton_aot import Variant
-from ..quant import KVSpec, QuantParams, bytes_per_token, compute_scales, quantize
+from ..quant import bytes_per_token, compute_scales, quantize
+from ..spec import KVSpec, QuantParams
 
 SHAPES = {"SmolLM2-135M": (9, 3, 64), "Llama-3-8B": (32, 8, 128)}  # query heads, KV heads, head dim
 GRIDS = {"full": ((1, 8, 32), (1024, 4096, 16384)), "quick": ((1, 2), (32, 80))}  # batch, context

@@ -66,8 +66,8 @@ def cmd_bench_roofline(args) -> None:
 
 def cmd_bench_quality(args) -> None:
     from ..bench import quality
-    from ..calibrate import load_scales
     from ..evaluate import SAMPLE_TEXT, tokens_of
+    from ..scalefile import load_scales
 
     if args.no_ppl and args.no_passkey:
         raise UsageError("--no-ppl with --no-passkey leaves nothing to measure")

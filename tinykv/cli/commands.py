@@ -19,7 +19,7 @@ from ..fetch import DEFAULT_DIR, fetch
 from ..generate import Engine, Sampling, generation_stats, numerics_warning, saturation_warning
 from ..model import Config, ModelError, Transformer
 from ..offload import OffloadConfig
-from ..quant import KVSpec
+from ..spec import KVSpec
 from ..tokenizer import StreamDecoder, Tokenizer
 from .inputs import INTERRUPTED, TERMINATED, Terminated, UsageError, read_prompts, read_text
 from .parser import DEFAULT_MAX_BATCH, DEFAULT_WINDOW
@@ -160,7 +160,7 @@ def open_cache(stack: ExitStack, model: Transformer, args, spec: KVSpec, tokens:
     """The cache the flags describe, closed (its disk file deleted) when `stack` closes."""
     scales = None
     if args.kv_scales and spec.needs_scales:
-        from ..calibrate import load_scales
+        from ..scalefile import load_scales
         scales = load_scales(args.kv_scales, model.cfg, spec)
     size = {"tokens": tokens}
     if args.device_blocks:
@@ -339,7 +339,7 @@ def cmd_eval(args) -> None:
     if args.attn_error:
         scales = None
         if args.kv.needs_scales:
-            from ..calibrate import load_scales
+            from ..scalefile import load_scales
             scales = load_scales(args.kv_scales, model.cfg, args.kv)
         report["attn_error"] = evaluate.attention_error(model, tokens[:window], args.kv,
                                                         args.block_size, scales)
@@ -368,7 +368,7 @@ def cmd_passkey(args) -> None:
     tok = Tokenizer.from_dir(path)
     scales = None
     if args.kv.needs_scales:
-        from ..calibrate import load_scales
+        from ..scalefile import load_scales
         scales = load_scales(args.kv_scales, model.cfg, args.kv)
     factory = partial(make_cache, attention=args.attention, block_size=args.block_size)
     result = run_passkey(model, tok, args.kv, args.lengths, args.depths, args.trials, args.seed,

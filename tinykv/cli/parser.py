@@ -95,7 +95,7 @@ SPEC_FLAGS = {"kv": "--kv", "plot_specs": "--plot-specs"}
 
 def resolve_specs(args: argparse.Namespace) -> None:
     """Parse the KV spec strings of args in place; a malformed one is an ArgError naming it."""
-    from ..quant import KVSpec, SpecError
+    from ..spec import KVSpec, SpecError
 
     for dest, flag in SPEC_FLAGS.items():
         value = getattr(args, dest, None)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..quant import QuantParams
+from ..spec import QuantParams
 
 # Families of stored formats: a plain float cast, integer codes of `bits` bits, fp8 e4m3 bits.
 FLOAT, INT, FP8 = 0, 1, 2

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from ..quant import QuantParams, compute_scales, dequantize, quantize
+from ..quant import compute_scales, dequantize, quantize
+from ..spec import QuantParams
 from .layout import PoolLayer
 
 # (o, lse): attention over a set of keys and the log-sum-exp of its scores, which merges exactly

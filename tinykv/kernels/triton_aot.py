@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..quant import KVSpec, QuantParams
+from ..spec import KVSpec, QuantParams
 from .layout import PoolLayer
 from .triton import _attn_args, _attn_kernel, _interpreted, triton
 from .triton_store import _store_args, _store_kernel
