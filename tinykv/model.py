@@ -40,8 +40,7 @@ class KVStep(Protocol):
     positions: torch.Tensor  # (N,) absolute position of each token (RoPE, learned positions)
     logits_idx: torch.Tensor | None  # rows whose logits are returned; None: all N
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor,
-               v: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Store this step's k, v (N, n_kv_heads, hd) of `layer`, then attend the queries
         q (N, n_heads, hd) over every key and value the tokens' sequences hold, causally:
         returns o (N, n_heads, hd)."""
@@ -77,11 +76,12 @@ class Config:
             raise ModelError(f"unsupported architecture '{self.model_type}' "
                              f"(supported: {', '.join(LLAMA_FAMILY + GPT2_FAMILY)})")
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim",
-                     "max_seq_len"):
+                     "max_seq_len", "head_dim"):
+            if name == "head_dim":  # derived from the sizes checked before it
+                self.head_dim = self.head_dim or self.dim // self.n_heads
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ModelError(f"config: {name} = {value!r} must be a positive integer")
-        self.head_dim = self.head_dim or self.dim // self.n_heads
         if self.n_heads % self.n_kv_heads:
             raise ModelError(f"n_heads={self.n_heads} is not a multiple of "
                              f"n_kv_heads={self.n_kv_heads}")

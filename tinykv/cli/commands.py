@@ -17,7 +17,7 @@ import torch
 from ..cache import PagedKVCache, block_bytes, make_cache
 from ..fetch import DEFAULT_DIR, fetch
 from ..generate import Engine, Sampling, generation_stats, numerics_warning, saturation_warning
-from ..model import Config, ModelError, Transformer
+from ..model import ModelError, Transformer
 from ..offload import OffloadConfig
 from ..spec import KVSpec
 from ..tokenizer import StreamDecoder, Tokenizer
@@ -83,7 +83,6 @@ def load_model(args) -> tuple[Transformer, Path]:
         raise
     except LOAD_ERRORS as e:
         raise CheckpointError(f"cannot load the model in {path}: {one_line(e)}") from e
-    check_config(model.cfg, path)
     return model, path
 
 
@@ -94,20 +93,6 @@ def one_line(e: BaseException, limit: int = 300) -> str:
     if len(text) > limit:
         text = text[:limit - 3] + "..."
     return f"{type(e).__name__}: {text}"
-
-
-CONFIG_SIZES = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim",
-                "max_seq_len")
-
-
-def check_config(cfg: Config, path: Path) -> None:
-    """Sizes a config.json must give as positive integers, so that a bad one fails here in one
-    line and not as a tensor error in the cache."""
-    for name in CONFIG_SIZES:
-        value = getattr(cfg, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise CheckpointError(f"config.json in {path}: {name} = {value!r} must be a positive "
-                                  "integer")
 
 
 def window_of(args, model: Transformer) -> int:
