@@ -283,7 +283,7 @@ def _name(row: dict) -> str:
     return f"{row['engine']} {row['kv']}"
 
 
-def _md(head: list[str], rows: list[list], right: int = 1) -> list[str]:
+def md_table(head: list[str], rows: list[list], right: int = 1) -> list[str]:
     """A Markdown table padded to aligned columns (readable printed too); columns from `right` on
     align right."""
     cells = [head] + [[str(c) for c in r] for r in rows]
@@ -326,9 +326,9 @@ def tables(res: dict) -> list[str]:
                    f"batch of {mem['rows'][0]['batch_context']}-token seqs", "perplexity"]
     footer = (f"\nPerplexity over {quality['tokens']} tokens of the text, windows of "
               f"{quality['window']}, through the cache.")
-    return (_md(e2e_head, e2e) + [""]
-            + _md(batch_head, batch, right=2) + [""]
-            + _md(memory_head, memory)
+    return (md_table(e2e_head, e2e) + [""]
+            + md_table(batch_head, batch, right=2) + [""]
+            + md_table(memory_head, memory)
             + [footer])
 
 

@@ -29,7 +29,7 @@ import torch
 from ..cache import PagedKVCache, make_cache
 from ..model import Config, Transformer
 from ..spec import KVSpec
-from .e2e import DEFAULT_SPECS, HF_QUANT, KIVI, machine_info
+from .e2e import DEFAULT_SPECS, HF_QUANT, KIVI, machine_info, md_table
 
 MODES = {
     "full": dict(bw_mib=512, bw_reps=5, contexts=[1024, 4096, 8192], attn_reps=7,
@@ -305,19 +305,6 @@ def collect(model: Transformer, hf, mode: dict, specs: list[str], threads: list[
     return out
 
 
-def _md(head: list[str], rows: list[list]) -> list[str]:
-    """A Markdown table, columns padded to line up when printed; numbers align right."""
-    cells = [head] + [[str(c) for c in r] for r in rows]
-    width = [max(len(r[i]) for r in cells) for i in range(len(head))]
-    lines = []
-    for r in cells:
-        padded = [c.ljust(width[i]) if i == 0 else c.rjust(width[i]) for i, c in enumerate(r)]
-        lines.append("| " + " | ".join(padded) + " |")
-    lines.insert(1, "|" + "|".join("-" * (w + 1) + (":" if i else "-")
-                                   for i, w in enumerate(width)) + "|")
-    return lines
-
-
 def render(results: dict) -> str:
     """The README section: per thread count, the bandwidth line and the attention, roofline and
     ratio tables."""
@@ -330,11 +317,11 @@ def render(results: dict) -> str:
                 f"{bw['sum_gb_s']:.1f}, over {bw['bytes'] / 2**20:.0f} MiB).", ""]
         attn = [[f"`{r['kv']}`", r["context"], f"{r['kv_bytes'] / 1e6:.3g}", f"{r['ms']:.3g}",
                  f"{r['gb_s']:.3g}", f"{r['pct_bandwidth']:.3g}%"] for r in run["attention"]]
-        out += _md(["KV spec", "context", "KV MB", "attend ms", "GB/s", "% bandwidth"], attn)
+        out += md_table(["KV spec", "context", "KV MB", "attend ms", "GB/s", "% bandwidth"], attn)
         dec = [[f"{r['engine']} `{r['kv']}`", f"{r['batch']}x{r['context']}",
                 f"{r['kv_bytes'] / 1e6:.3g}", f"{r['ms']:.3g}", f"{r['tok_s']:.3g}",
                 f"{r['pct_roofline']:.3g}%"] for r in run["decode"]]
-        out += [""] + _md(["engine / KV", "batch x ctx", "KV MB/step", "step ms", "tok/s",
+        out += [""] + md_table(["engine / KV", "batch x ctx", "KV MB/step", "step ms", "tok/s",
                            "% roofline"], dec)
         names = [name for name, _, _ in RATIOS]
         names += [k for k in dict.fromkeys(k for r in run["ratios"] for k in r)
@@ -343,7 +330,7 @@ def render(results: dict) -> str:
         for r in run["ratios"]:
             cells = [f"{r[k]:.2f}x" if k in r else "-" for k in names]
             rat.append([f"{r['batch']}x{r['context']}"] + cells)
-        out += [""] + _md(["batch x ctx"] + names, rat) + [""]
+        out += [""] + md_table(["batch x ctx"] + names, rat) + [""]
     return "\n".join(out)
 
 
