@@ -79,14 +79,6 @@ def tokens_of(text: str, model_dir: str | Path, offset: int = 0,
     return ids
 
 
-def read_tokens(path: str | Path, model_dir: str | Path, offset: int = 0,
-                max_tokens: int | None = None) -> list[int]:
-    """tokens_of a UTF-8 text file."""
-    if not Path(path).is_file():
-        raise EvalError(f"text file not found: {path}")
-    return tokens_of(Path(path).read_text(encoding="utf-8"), model_dir, offset, max_tokens)
-
-
 def _windows(model: Transformer, tokens: list[int], window: int) -> list[list[int]]:
     """Non-overlapping windows of tokens; one too short to predict anything (< 2) is dropped."""
     limit = model.cfg.max_seq_len
