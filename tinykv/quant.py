@@ -97,8 +97,9 @@ class Transform:
         """o (N, Hq, D) over stored values -> the attention output over the model's values."""
         if self.rv is not None:
             o = o @ self.rv.T  # sum p (v R) = (sum p v) R
-        if self.mv is not None:
-            o = o + self.mv.repeat_interleave(o.shape[-2] // self.mv.shape[0], 0)  # (Hq, D)
+        if self.mv is not None:  # GQA: the n_rep query heads of KV head h share its mean
+            n_rep = o.shape[-2] // self.mv.shape[0]
+            o = o + self.mv.repeat_interleave(n_rep, 0)  # (Hq, D)
         return o
 
     def to(self, device: torch.device | str, dtype: torch.dtype) -> Transform:

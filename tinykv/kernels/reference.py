@@ -94,7 +94,8 @@ def attend_decode(q: torch.Tensor, q_pos: torch.Tensor, k: PoolLayer, v: PoolLay
     in_pool = (block_table >= 0).repeat_interleave(BS, 1)
     allowed = (key_pos <= q_pos[:, None]) & (key_pos < ctx_lens[:, None]) & in_pool  # (B, S)
     # GQA: the n_rep query heads of a KV head attend to its K/V without copying it per head.
-    qg = q.float().view(B, H, Hq // H, D)
+    n_rep = Hq // H
+    qg = q.float().view(B, H, n_rep, D)
     o, lse = _softmax_attention(qg, keys, values, allowed[:, None, None], sm_scale)
     return o.view(B, Hq, D), lse.view(B, Hq)
 

@@ -263,6 +263,7 @@ def _attn_args(q: torch.Tensor, q_seq: torch.Tensor, q_pos: torch.Tensor, k: Poo
     assert ctx_lens.shape == block_table.shape[:1], "ctx_lens is (B,)"
     assert o.is_contiguous() and o.shape == (num_splits, N, Hq, D), "o (splits, N, Hq, D)"
     assert lse.is_contiguous() and lse.shape == (num_splits, N, Hq), "lse (splits, N, Hq)"
+    n_rep = Hq // H  # query heads per KV head (GQA)
     table = _i32(block_table)
     ka = _pool_args(k, H, BS, D, "k")
     va = _pool_args(v, H, BS, D, "v")
@@ -272,7 +273,7 @@ def _attn_args(q: torch.Tensor, q_seq: torch.Tensor, q_pos: torch.Tensor, k: Poo
         o=o, lse=lse, n_queries=N, max_blocks=table.shape[1],
         qk_scale=sm_scale * math.log2(math.e),  # scores in log2 units: the kernel uses exp2
         **ka.kernel_args("k"), **va.kernel_args("v"),
-        N_REP=Hq // H, R=_pow2_at_least_16(Hq // H), D=D, DP=_pow2_at_least_16(D),
+        N_REP=n_rep, R=_pow2_at_least_16(n_rep), D=D, DP=_pow2_at_least_16(D),
         BS=BS, BSP=triton.next_power_of_2(BS), BLOCKS_PER_ITER=blocks_per_iter(BS),
         # The interpreter multiplies bf16 bit patterns as integers: bf16 dots run in fp32 there.
         DOT_F32=q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and _interpreted()))
