@@ -302,8 +302,9 @@ def export_vllm(scales: dict[str, torch.Tensor], spec: KVSpec, path: str | Path)
 def calibrate_to_file(model: Transformer, tokens: list[int], spec: KVSpec, out: str | Path,
                       observer: str = "minmax", window: int = 1024, vllm_out: str | None = None,
                       plot: str | None = None, progress: bool = True) -> int:
-    """Calibrate spec's static parts on tokens and save the scale file (and the vLLM export, the
-    channel plot when asked); returns the number of tokens observed."""
+    """Calibrate what the spec takes from a scale file (static scales, centers, key smoothing maps)
+    on tokens and save it (and the vLLM export, the channel plot when asked); returns the number
+    of tokens observed."""
     check_request(spec, observer, vllm=bool(vllm_out))
     scales, k, v = calibrated(model, tokens, spec, observer, window, progress)
     save_scales(out, scales, model.cfg, spec, observer, len(tokens))

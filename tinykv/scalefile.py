@@ -42,8 +42,8 @@ def save_scales(path: str | Path, scales: dict[str, torch.Tensor], cfg: Config, 
 
 
 def load_scales(path: str | Path, cfg: Config, spec: KVSpec) -> dict[str, torch.Tensor]:
-    """Static scales from a calibration file, checked against the model and the spec's static
-    parts."""
+    """The tensors of a scale file (static scales, centers, key smoothing maps), checked against
+    the model and against what the spec needs from the file."""
     if not Path(path).is_file():
         raise CalibrationError(f"scale file not found: {path}")
     try:
