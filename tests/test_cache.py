@@ -170,23 +170,6 @@ def test_pool_exhausted_is_clear():
     assert cache.blocks_free == 2  # a failed plan allocates nothing
 
 
-def test_engine_preempts_and_recomputes():
-    """A pool too small for all prompts at once: preemption, yet the same greedy tokens as alone."""
-    m = tiny()
-    g = torch.Generator().manual_seed(8)
-    prompts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (30, 12, 25, 5)]
-    s = Sampling(temperature=0, max_new_tokens=12)
-    eng = Engine(m, cache_for(m, "fp32", blocks=12, block_size=8, max_seqs=4), max_batch=4)
-    rids = [eng.add(prompt, s) for prompt in prompts]
-    list(eng.run())
-    assert eng.stats.preemptions > 0
-    for rid, prompt in zip(rids, prompts):
-        alone = Engine(m, cache_for(m, "fp32", blocks=12, block_size=8))
-        r = alone.add(prompt, s)
-        list(alone.run())
-        assert eng.requests[rid].new_ids == alone.requests[r].new_ids
-
-
 def test_single_block_pool():
     """A pool of one block (block size covering the whole sequence) still attends correctly."""
     m = tiny()
