@@ -121,24 +121,10 @@ def build_prompt(tok: Tokenizer, filler: str, length: int, depth: float, key: st
     if not pool:
         raise PasskeyError("the filler text has no sentences")
     needle = NEEDLE.format(key=key)
-    head = INTRO + "\n\n"
-    tail = "\n\n" + QUESTION + " " + ANSWER
-    if chat:
-        before, after = tok.apply_chat_template([{"role": "user", "content": _MARK}]).split(_MARK)
-        head = before + head
-        tail = "\n\n" + QUESTION + after + ANSWER
+    head, tail = _frame(tok, chat)
     # Sentences tokenized apart estimate their share of the whole text; the loop below corrects.
     sizes: dict[str, int] = {}
-    room = length - len(tok.encode(head + needle + tail))
-    sentences = []
-    while True:
-        s = pool[len(sentences) % len(pool)]
-        if s not in sizes:
-            sizes[s] = len(tok.encode(" " + s))
-        if sizes[s] > room:
-            break
-        sentences.append(s)
-        room -= sizes[s]
+    sentences = _fill(tok, pool, length - len(tok.encode(head + needle + tail)), sizes)
     while True:
         offsets = list(accumulate((sizes[s] for s in sentences), initial=0))
         misses = [abs(o - depth * offsets[-1]) for o in offsets]
@@ -152,12 +138,42 @@ def build_prompt(tok: Tokenizer, filler: str, length: int, depth: float, key: st
             raise PasskeyError(f"length {length} cannot hold the instruction, the needle and the "
                                f"question ({len(ids)} tokens)")
         sentences.pop()
+    return ids, _span(tok, ids, pre, needle)
+
+
+def _frame(tok: Tokenizer, chat: bool) -> tuple[str, str]:
+    """The text before the filler (the instruction) and after it (the question, the answer
+    begun), in the chat template when `chat`."""
+    head = INTRO + "\n\n"
+    tail = "\n\n" + QUESTION + " " + ANSWER
+    if chat:
+        before, after = tok.apply_chat_template([{"role": "user", "content": _MARK}]).split(_MARK)
+        head = before + head
+        tail = "\n\n" + QUESTION + after + ANSWER
+    return head, tail
+
+
+def _fill(tok: Tokenizer, pool: list[str], room: int, sizes: dict[str, int]) -> list[str]:
+    """The pool's sentences, repeated in order while their tokens (noted in `sizes`) fit `room`."""
+    sentences: list[str] = []
+    while True:
+        s = pool[len(sentences) % len(pool)]
+        if s not in sizes:
+            sizes[s] = len(tok.encode(" " + s))
+        if sizes[s] > room:
+            return sentences
+        sentences.append(s)
+        room -= sizes[s]
+
+
+def _span(tok: Tokenizer, ids: list[int], pre: str, needle: str) -> tuple[int, int]:
+    """Where the needle's tokens sit in ids, the prompt whose text begins with pre + needle."""
     start = _common_prefix(tok.encode(pre), ids)
     end = _common_prefix(tok.encode(pre + needle), ids)
     # A whitespace token that the needle's text split off the text before is not the needle's.
     while start < end and not tok.decode(ids[start:start + 1]).strip():
         start += 1
-    return ids, (start, end)
+    return start, end
 
 
 def run_passkey(model: Transformer, tok: Tokenizer, spec: KVSpec | str, lengths: list[int],
@@ -182,6 +198,26 @@ def run_passkey(model: Transformer, tok: Tokenizer, spec: KVSpec | str, lengths:
             raise PasskeyError(f"length {n} + {max_new_tokens} answer tokens exceeds the model's "
                                f"context ({limit} tokens)")
     filler = DEFAULT_FILLER if text is None else text
+    records, prompts = _trials(tok, filler, lengths, grid, trials, seed, chat)
+    t0 = time.perf_counter()
+    answers = _answers(model, tok, spec, prompts, scales=scales, max_batch=max_batch,
+                       max_new_tokens=max_new_tokens, cache_factory=cache_factory,
+                       progress=progress)
+    for r, answer in zip(records, answers):
+        r.answer = answer
+        r.found = is_found(answer, r.key)
+    accuracy = []
+    for d in grid:
+        hits = [[r.found for r in records if r.length == n and r.depth == d] for n in lengths]
+        accuracy.append([sum(h) / len(h) for h in hits])
+    overall = sum(r.found for r in records) / len(records)
+    return PasskeyResult(kv=str(spec), lengths=list(lengths), depths=grid, accuracy=accuracy,
+                         overall=overall, trials=records, seconds=time.perf_counter() - t0)
+
+
+def _trials(tok: Tokenizer, filler: str, lengths: list[int], grid: list[float], trials: int,
+            seed: int, chat: bool) -> tuple[list[Trial], list[list[int]]]:
+    """The trials, answers pending, and their prompts: keys drawn per (length, depth, trial)."""
     keys = iter(draw_keys(seed, len(lengths) * len(grid) * trials))
     records, prompts = [], []
     for n in lengths:
@@ -189,9 +225,16 @@ def run_passkey(model: Transformer, tok: Tokenizer, spec: KVSpec | str, lengths:
             for _ in range(trials):
                 key = next(keys)
                 ids, (start, _) = build_prompt(tok, filler, n, d, key, chat)
-                records.append(Trial(n, len(ids), d, start, key, answer="", found=False))
+                records.append(Trial(length=n, tokens=len(ids), depth=d, needle=start, key=key,
+                                     answer="", found=False))
                 prompts.append(ids)
-    t0 = time.perf_counter()
+    return records, prompts
+
+
+def _answers(model: Transformer, tok: Tokenizer, spec: KVSpec, prompts: list[list[int]], *,
+             scales: dict[str, torch.Tensor] | None, max_batch: int, max_new_tokens: int,
+             cache_factory: Callable[..., PagedKVCache], progress: bool) -> list[str]:
+    """The greedy answers to every prompt, through one Engine over a cache under `spec`."""
     p = next(model.parameters())
     batch = min(max_batch, len(prompts))
     longest = max(len(ids) for ids in prompts) + max_new_tokens
@@ -207,16 +250,7 @@ def run_passkey(model: Transformer, tok: Tokenizer, spec: KVSpec | str, lengths:
                 if eng.requests[rid].finish:
                     bar.update(1)
     bar.close()
-    for r, rid in zip(records, rids):
-        r.answer = tok.decode(eng.requests[rid].new_ids, skip_special_tokens=True)
-        r.found = is_found(r.answer, r.key)
-    accuracy = []
-    for d in grid:
-        hits = [[r.found for r in records if r.length == n and r.depth == d] for n in lengths]
-        accuracy.append([sum(h) / len(h) for h in hits])
-    overall = sum(r.found for r in records) / len(records)
-    return PasskeyResult(str(spec), list(lengths), grid, accuracy, overall, records,
-                         time.perf_counter() - t0)
+    return [tok.decode(eng.requests[rid].new_ids, skip_special_tokens=True) for rid in rids]
 
 
 def plot_heatmap(result: PasskeyResult, path: str | Path) -> None:
