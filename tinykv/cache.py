@@ -78,15 +78,15 @@ class PagedKVCache:
         self.pools = KVPools(cfg, spec, num_blocks=num_blocks, n_hot=self.n_hot,
                              block_size=block_size, device=self.device, dtype=dtype,
                              static=scales, store_fn=kernels.store)
-        tiers = offload or OffloadConfig()
+        offload_cfg = offload or OffloadConfig()
+        disk_blocks = offload_cfg.disk_blocks if offload_cfg.disk_dir else 0
         self.tables = BlockTables(num_blocks=num_blocks, n_hot=self.n_hot, block_size=block_size,
                                   sink=spec.sink, residual=spec.residual,
                                   needs_tail=spec.k.block_wise or spec.v.block_wise, data=self,
-                                  host_blocks=tiers.host_blocks,
-                                  disk_blocks=tiers.disk_blocks if tiers.disk_dir else 0)
+                                  host_blocks=offload_cfg.host_blocks, disk_blocks=disk_blocks)
         self.offload = None
-        if tiers.host_blocks:
-            self.offload = Offloader(self.pools.moving(), tiers, self.device,
+        if offload_cfg.host_blocks:
+            self.offload = Offloader(self.pools.moving(), offload_cfg, self.device,
                                      self.pools.layer_rows)
         self.sm_scale = 1.0 / math.sqrt(cfg.head_dim)
         self.eviction = evict.Policy.from_spec(spec)  # None: the spec evicts nothing
