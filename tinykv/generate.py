@@ -296,8 +296,8 @@ def generation_stats(eng: Engine) -> dict:
     if w:
         out["warnings"].append(w)
     if cache.offload:
-        off = cache.offload_stats()
-        moved = sum(v for k, v in off.items() if k.startswith("bytes_"))
-        off["bytes_moved_per_token"] = moved / max(1, st.decode_tokens + st.prefill_tokens)
-        out["offload"] = off
+        offload = cache.offload_stats()
+        moved = sum(v for k, v in offload.items() if k.startswith("bytes_"))
+        offload["bytes_moved_per_token"] = moved / max(1, st.decode_tokens + st.prefill_tokens)
+        out["offload"] = offload
     return out
