@@ -108,7 +108,8 @@ class Engine:
         self.waiting.append(self.requests[rid])
         return rid
 
-    def _new_request(self, tokens, prompt_len, sampling, n=1) -> int:
+    def _new_request(self, tokens: list[int], prompt_len: int, sampling: Sampling,
+                     n: int = 1) -> int:
         rid, self._next_id = self._next_id, self._next_id + 1
         gen = None
         if sampling.seed is not None:
