@@ -272,7 +272,7 @@ class PagedKVCache:
         kept = self.eviction.keep(k, score)  # (L, H, budget)
         self.keep_only(seq_id, kept, (k, v))
         if self.scores is not None:
-            self.scores.keep(seq_id, kept)
+            self.scores.keep_only(seq_id, kept)
 
     def keep_only(self, seq_id: int, kept: torch.Tensor,
                   kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:

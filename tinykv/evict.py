@@ -172,8 +172,8 @@ class Scores:
         score = self.by_seq.get(seq_id)
         return None if score is None else score[..., :n]
 
-    def keep(self, seq_id: int, kept: torch.Tensor) -> None:
-        """After compaction: the scores of the kept slots (L, H, budget) come along."""
+    def keep_only(self, seq_id: int, kept: torch.Tensor) -> None:
+        """The scores of the kept slots (L, H, budget) only, as the cache keeps them."""
         score = self.by_seq.get(seq_id)
         if score is not None:
             self.by_seq[seq_id] = score.gather(-1, kept)
