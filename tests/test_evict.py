@@ -87,6 +87,21 @@ def test_compacting_a_budget_larger_than_a_step(policy):
     assert cache.slots(0) == 120 and len(cache.tables.seqs[0].tokens) == 300
 
 
+def test_keep_only_keeps_exactly_the_slots_asked():
+    """The cache's one eviction operation: per layer and KV head the kept slots' keys and values,
+    in order from slot 0; every other block freed."""
+    cache = make_cache(CFG, "fp32", blocks=20, block_size=8)
+    keys = fill(cache, 0, 40, chunk=16)  # (L, H, 40, D); values are 2 * keys
+    g = torch.Generator().manual_seed(5)
+    order = torch.rand(CFG.n_layers, CFG.n_kv_heads, 40, generator=g).argsort(-1)
+    kept = order[..., :12].sort(-1).values  # (L, H, 12): each layer and head its own slots
+    cache.keep_only(0, kept)
+    k, v = cache.seq_kv(0)  # (L, H, 12, D)
+    want = keys.gather(2, kept[..., None].expand(-1, -1, -1, CFG.head_dim))
+    assert torch.equal(k, want) and torch.equal(v, 2 * want)
+    assert cache.slots(0) == 12 and cache.tables.used_blocks() == 2
+
+
 def test_attention_over_kept_tokens_is_attention_restricted_to_them():
     """fp32 storage: after compaction each head attends over exactly its kept keys (float64)."""
     spec = KVSpec.parse("fp32,sink=2,evict=knorm:24")
