@@ -71,13 +71,18 @@ def test_json_and_bytes(results, tiny):
     _, model = tiny
     cfg = model.cfg
     assert json.loads(out.read_text()) == json.loads(json.dumps(res))
-    assert res["chart"] is None or (out.with_suffix(".png")).stat().st_size > 0
+    for n, (bars, steps) in zip(THREADS, res["charts"].values()):
+        suffix = "" if n == THREADS[0] else f"-{n}thr"
+        assert bars is None or bars == str(out.with_name(f"roofline{suffix}.png"))
+        assert steps is None or steps == str(out.with_name(f"roofline{suffix}-steps.png"))
+        assert all(p is None or os.path.getsize(p) > 0 for p in (bars, steps))
     assert [r["threads"] for r in res["runs"]] == THREADS
     specs = list(rl.DEFAULT_SPECS)
     fp32_token = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 4  # bytes
     for run in res["runs"]:
         bw = run["bandwidth"]
-        assert bw["bytes"] >= 16 * 2**20 and bw["gb_s"] == max(bw["gemv_gb_s"], bw["sum_gb_s"])
+        probes = [v for k, v in bw.items() if k.endswith("_gb_s")]
+        assert bw["bytes"] >= 16 * 2**20 and bw["gb_s"] == max(probes) and len(probes) >= 2
         assert math.isfinite(bw["gb_s"]) and bw["gb_s"] > 0
         attn = run["attention"]
         assert [(r["kv"], r["context"]) for r in attn] == [(s, c) for s in specs
@@ -102,6 +107,13 @@ def test_json_and_bytes(results, tiny):
             assert len(r["ms_all"]) == steps and r["weight_bytes"] == res["weight_bytes"]
             assert r["tok_s"] == pytest.approx(r["batch"] / (r["ms"] / 1e3))
             assert math.isfinite(r["pct_roofline"]) and r["pct_roofline"] > 0
+            assert r["roofline_tok_s"] == pytest.approx(r["batch"] / (r["roofline_ms"] / 1e3))
+            if r["engine"] == "tinykv":  # the breakdown: four parts, all measured
+                parts = r["parts_ms"]
+                assert set(parts) == {"linear", "attention", "store", "rest"}
+                assert all(parts[k] > 0 for k in ("linear", "attention", "store"))
+            else:
+                assert "parts_ms" not in r
         engines = {(r["engine"], r["kv"]) for r in run["decode"]}
         assert {("tinykv", s) for s in specs} | {("transformers", "default")} <= engines
         names = [name for name, _, _ in rl.RATIOS]
@@ -114,7 +126,8 @@ def test_render(results):
     res, _ = results
     md = rl.render(res)
     assert md.startswith("## Roofline")
-    for text in ("Read bandwidth", "% bandwidth", "% roofline", "int4/fp16", "| 3x64"):
+    for text in ("Read bandwidth", "% bandwidth", "% roofline", "int4/fp16", "| 3x64",
+                 "linear / attention / store / rest ms"):
         assert text in md
     assert md.count("### ") == len(THREADS)
 

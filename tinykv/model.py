@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -21,6 +22,8 @@ from typing import Any, Protocol
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from safetensors import SafetensorError
+from safetensors.torch import load_file
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2")
 GPT2_FAMILY = ("gpt2", "gpt_bigcode")
@@ -132,13 +135,11 @@ class Config:
                    eos_token_id=eos)
 
 
-def rope_tables(cfg: Config, device: torch.device | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin of shape (max_seq_len, head_dim), in float32, rotate-half layout; sin's first half is
     negated, so that rotating half the channels is a roll (apply_rope)."""
-    hd = cfg.head_dim
-    even = torch.arange(0, hd, 2, dtype=torch.float64, device=device)  # (hd / 2,)
-    inv_freq = 1.0 / cfg.rope_theta ** (even / hd)
+    even = torch.arange(0, cfg.head_dim, 2, dtype=torch.float64)  # (hd / 2,)
+    inv_freq = 1.0 / cfg.rope_theta ** (even / cfg.head_dim)
     if cfg.rope_scaling:
         # llama3: long wavelengths slowed by `factor`, short ones kept, smooth in between
         s = cfg.rope_scaling
@@ -149,7 +150,7 @@ def rope_tables(cfg: Config, device: torch.device | None = None
         mid = (1 - smooth) * inv_freq / factor + smooth * inv_freq
         inv_freq = torch.where(wavelen > old_len / lo, inv_freq / factor,
                                torch.where(wavelen < old_len / hi, inv_freq, mid))
-    t = torch.arange(cfg.max_seq_len, dtype=torch.float64, device=device)
+    t = torch.arange(cfg.max_seq_len, dtype=torch.float64)
     freqs = torch.outer(t, inv_freq)  # (max_seq_len, hd / 2)
     emb = torch.cat([freqs, freqs], dim=-1)  # (max_seq_len, hd)
     sign = torch.cat([-torch.ones_like(freqs), torch.ones_like(freqs)], -1)
@@ -162,6 +163,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x * cos + x.roll(x.shape[-1] // 2, -1) * sin).to(x.dtype)
 
 
+class Linear(nn.Linear):
+    """nn.Linear through the product chosen when the model loads (`Transformer.use_linear`):
+    F.linear, or on the CPU gemv.linear_cpu, which reads the weights at memory speed in decode."""
+    product: Callable = staticmethod(F.linear)  # (x, weight, bias) -> y: F.linear's contract
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.product(x, self.weight, self.bias)
+
+
 class Attention(nn.Module):
     """Fused q/k/v projection, RoPE, attention (through the plan's cache, or plain causal)."""
 
@@ -169,8 +178,8 @@ class Attention(nn.Module):
         super().__init__()
         self.cfg, self.layer = cfg, layer
         self.q_size, self.kv_size = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-        self.wqkv = nn.Linear(cfg.dim, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.wo = nn.Linear(self.q_size, cfg.dim, bias=cfg.o_bias)
+        self.wqkv = Linear(cfg.dim, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.wo = Linear(self.q_size, cfg.dim, bias=cfg.o_bias)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
                 plan: KVStep | None = None) -> torch.Tensor:
@@ -188,8 +197,7 @@ class Attention(nn.Module):
             o = plan.attend(self.layer, q, k, v)  # (N, n_heads, hd)
         else:  # reference: plain causal attention over (B, T)
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, hd)
-            k = k.repeat_interleave(cfg.n_rep, dim=1)
-            v = v.repeat_interleave(cfg.n_rep, dim=1)
+            k, v = (t.repeat_interleave(cfg.n_rep, dim=1) for t in (k, v))  # GQA: heads shared
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
         return self.wo(o.reshape(*lead, self.q_size))
 
@@ -202,8 +210,8 @@ class MLP(nn.Module):
         self.gpt2_style = cfg.gpt2_style
         self.gelu = "tanh" if cfg.gelu_tanh else "none"
         n_in = cfg.ffn_dim if cfg.gpt2_style else 2 * cfg.ffn_dim  # llama: gate and up fused
-        self.w_in = nn.Linear(cfg.dim, n_in, bias=cfg.mlp_bias)
-        self.w_out = nn.Linear(cfg.ffn_dim, cfg.dim, bias=cfg.mlp_bias)
+        self.w_in = Linear(cfg.dim, n_in, bias=cfg.mlp_bias)
+        self.w_out = Linear(cfg.ffn_dim, cfg.dim, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.w_in(x)
@@ -215,9 +223,8 @@ class MLP(nn.Module):
 
 def make_norm(cfg: Config) -> nn.Module:
     """LayerNorm for the GPT-2 family, RMSNorm for the Llama family."""
-    if cfg.gpt2_style:
-        return nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
-    return nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+    norm = nn.LayerNorm if cfg.gpt2_style else nn.RMSNorm
+    return norm(cfg.dim, eps=cfg.norm_eps)
 
 
 class Block(nn.Module):
@@ -244,7 +251,7 @@ class Transformer(nn.Module):
         self.pos_embed = nn.Embedding(cfg.max_seq_len, cfg.dim) if cfg.gpt2_style else None
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = make_norm(cfg)
-        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         if not cfg.gpt2_style:
@@ -252,14 +259,18 @@ class Transformer(nn.Module):
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
 
+    def use_linear(self, product: Callable) -> None:
+        """Every linear layer multiplies through `product` (F.linear's contract) from now on."""
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.product = product
+
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, plan: KVStep | None = None) -> torch.Tensor:
         """tokens (B, T) -> logits (B, T, V) without a plan; packed (N,) -> logits
         (len(plan.logits_idx), V), or (N, V) when plan.logits_idx is None."""
-        if plan is None:
-            positions = torch.arange(tokens.shape[-1], device=tokens.device)
-        else:
-            positions = plan.positions  # (N,)
+        positions = (plan.positions if plan is not None  # (N,), or (T,) for a (B, T) batch
+                     else torch.arange(tokens.shape[-1], device=tokens.device))
         if positions.numel() and int(positions.max()) >= self.cfg.max_seq_len:
             raise ModelError("sequence longer than the model's context "
                              f"({self.cfg.max_seq_len} tokens)")
@@ -319,19 +330,13 @@ class Transformer(nn.Module):
         if not cfg.gpt2_style:
             model.rope_cos, model.rope_sin = rope_tables(cfg)
         model = model.to(device=device, dtype=dtype).eval()
-        if device.type == "cpu":
-            # MKL streams x @ W.T faster from W^T stored row by row (~7% of linear time here).
-            for m in model.layers.modules():
-                if isinstance(m, nn.Linear):
-                    m.weight = nn.Parameter(m.weight.t().contiguous().t(), requires_grad=False)
+        from .gemv import select_linear  # numba loads with a model, not with this module
+        model.use_linear(select_linear(device))  # chosen once, like the attention kernels
         return model
 
 
 def load_safetensors(path: Path) -> dict[str, torch.Tensor]:
     """Every tensor of the *.safetensors files (one, or the shards) in a directory."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelError(f"no *.safetensors files in {path}")
@@ -357,10 +362,6 @@ def convert_hf_state_dict(cfg: Config, hf: dict[str, torch.Tensor]) -> dict[str,
     if cfg.gpt2_style:
         # gpt2 stores Conv1D weights (in, out); gpt_bigcode uses nn.Linear's (out, in)
         conv1d = cfg.model_type == "gpt2"
-
-        def linear(w: torch.Tensor) -> torch.Tensor:
-            return w.t().contiguous() if conv1d else w
-
         sd["embed.weight"], sd["pos_embed.weight"] = get("wte.weight"), get("wpe.weight")
         sd["norm.weight"], sd["norm.bias"] = get("ln_f.weight"), get("ln_f.bias")
         pairs = {"norm1": "ln_1", "norm2": "ln_2", "attn.wqkv": "attn.c_attn",
@@ -369,7 +370,9 @@ def convert_hf_state_dict(cfg: Config, hf: dict[str, torch.Tensor]) -> dict[str,
             src, dst = f"h.{i}.", f"layers.{i}."
             for ours, theirs in pairs.items():
                 w = get(src + theirs + ".weight")
-                sd[dst + ours + ".weight"] = w if ours.startswith("norm") else linear(w)
+                if conv1d and not ours.startswith("norm"):
+                    w = w.t().contiguous()
+                sd[dst + ours + ".weight"] = w
                 sd[dst + ours + ".bias"] = get(src + theirs + ".bias")
         return sd
     sd["embed.weight"], sd["norm.weight"] = get("embed_tokens.weight"), get("norm.weight")

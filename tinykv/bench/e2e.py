@@ -33,6 +33,7 @@ from ..generate import Engine, Sampling
 from ..model import Config, Transformer
 from ..quant import bytes_per_token
 from ..spec import KVSpec
+from .charts import grouped_bars
 
 KIVI = "k=int4:channel:asym,v=int4:g32:asym,residual=64"
 DEFAULT_SPECS = ("fp16", "int8", "int4", KIVI)
@@ -349,15 +350,16 @@ def charts(res: dict, out_dir: Path) -> dict:
         plt.close(fig)
         return str(out_dir / f"{key}.png")
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name in dict.fromkeys(_name(r) for r in res["e2e"]):
-        rs = [r for r in res["e2e"] if _name(r) == name]
-        lengths, speeds = [r["prompt_len"] for r in rs], [r["decode_tok_s"] for r in rs]
-        ax.plot(lengths, speeds, marker="o", label=name)
-    ax.set(xscale="log", xlabel="prompt tokens", ylabel="decode tokens/s (batch 1, greedy)")
-    ax.set_xticks(res["config"]["lengths"], [str(n) for n in res["config"]["lengths"]])
-    ax.legend(fontsize=8)
-    made = {"decode": save(fig, ax, "decode_tok_s")}
+    lengths = res["config"]["lengths"]
+    series = []
+    names = dict.fromkeys(_name(r) for r in res["e2e"])
+    for name in sorted(names, key=lambda n: not n.startswith("tinykv")):  # tinykv's bars first
+        speed = {r["prompt_len"]: r["decode_tok_s"] for r in res["e2e"] if _name(r) == name}
+        series.append((name.replace(KIVI, "KIVI"), [speed.get(n) for n in lengths],
+                       [None] * len(lengths)))
+    made = {"decode": grouped_bars(out_dir / "decode_tok_s.png", [f"prompt {n}" for n in lengths],
+                                   series, "decode tokens/s (batch 1, greedy)",
+                                   "decode speed by prompt length, tinykv beside transformers")}
     if res["quality"]["rows"]:
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for r in res["quality"]["rows"]:

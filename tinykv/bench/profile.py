@@ -1,10 +1,13 @@
 """`python -m tinykv bench profile`: where a decode step's time goes, tinykv beside transformers.
 
 Wall time per decoded token (batch 1, greedy, after a prompt of --prompt tokens) split into the
-linear layers (every F.linear call, where the weights are read once per token), the cache's
+linear layers (every `model.Linear`, where the weights are read once per token), the cache's
 `write` (quantize on store) and `attend`, and the rest (norms, RoPE, residuals, sampling, Python);
-transformers' step into its linear layers and the rest, from its first new token to its last.
-Timers wrap those functions for the run only.
+transformers' step into its linear layers (F.linear) and the rest, from its first new token to its
+last. Timers wrap those functions for the run only.
+
+Then the linear layers alone: the model's weight matrices, one activation row each, through
+F.linear and through the product the model chose (gemv.py), interleaved, with the read rate.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import torch.nn.functional as F
 
 from ..cache import PagedKVCache, make_cache
 from ..generate import Engine, Sampling
-from ..model import Transformer
+from ..model import Linear, Transformer
 from ..pools import KVPools
 
 PARTS = ["linear", "cache.write", "cache.attend"]
@@ -56,8 +59,7 @@ def profile_tinykv(model: Transformer, prompt: list[int], kv: str, n_new: int) -
         eng.step()
     acc: Counter = Counter()
     with ExitStack() as stack:
-        # nn.Linear looks F.linear up at each call, so wrapping the module function times them all
-        stack.enter_context(timing(F, "linear", acc, "linear"))
+        stack.enter_context(timing(Linear, "forward", acc, "linear"))  # every linear layer
         stack.enter_context(timing(KVPools, "write", acc, "cache.write"))
         stack.enter_context(timing(PagedKVCache, "attend", acc, "cache.attend"))
         t0, steps = time.perf_counter(), 0
@@ -98,7 +100,7 @@ def profile_hf(hf, prompt: list[int], n_new: int) -> dict:
 
     generate(2)  # warm-up
     clock = _DecodeClock(acc)
-    with timing(F, "linear", acc, "linear"):
+    with timing(F, "linear", acc, "linear"):  # nn.Linear looks F.linear up at each call
         generate(n_new + 1, clock)
     decode_s = clock.stamps[-1] - clock.stamps[1]
     return _row("transformers", "default", len(prompt), decode_s, acc, n_new)
@@ -126,6 +128,9 @@ def run(model: Transformer, weights: Path, text: str, prompts: list[int], n_new:
         hf = tf.AutoModelForCausalLM.from_pretrained(weights, dtype=model.embed.weight.dtype)
         hf = hf.eval()
     rows = []
+    for r in linear_alone(model):
+        print(f"linear alone: {r['path']:28} {r['products']} products, "
+              f"{r['weight_bytes'] / 1e6:.0f} MB: {r['ms']:.1f} ms, {r['gb_s']:.1f} GB/s")
     head = " ".join(f"{k:>12}" for k in PARTS + ["rest"])
     print(f"{'engine / KV':24} {'prompt':>6} {'ms/token':>9} {head}")
     engines = [*specs, *([None] if hf is not None else [])]  # None: transformers
@@ -143,3 +148,24 @@ def run(model: Transformer, weights: Path, text: str, prompts: list[int], n_new:
             print(f"{r['engine'] + ' ' + r['kv']:24} {n:>6} {r['ms_per_token']:>9.1f} {parts}",
                   flush=True)
     return rows
+
+
+def linear_alone(model: Transformer, reps: int = 5) -> list[dict]:
+    """The model's linear layers, one activation row each (a decode step's products, the tied
+    head once), through F.linear and the model's own product, interleaved: best total ms of
+    `reps` and the weights' read rate."""
+    layers = list(dict.fromkeys(m for m in model.modules() if isinstance(m, Linear)))
+    xs = {m: torch.randn(1, m.in_features, dtype=m.weight.dtype) for m in layers}
+    paths = {"F.linear": F.linear, f"model ({layers[0].product.__name__})": layers[0].product}
+    best = dict.fromkeys(paths, float("inf"))
+    with torch.inference_mode():
+        for rep in range(reps + 1):  # the first round warms up (JIT, allocator)
+            for name, product in paths.items():
+                t0 = time.perf_counter()
+                for m in layers:
+                    product(xs[m], m.weight, m.bias)
+                if rep:
+                    best[name] = min(best[name], time.perf_counter() - t0)
+    nbytes = sum(m.weight.nbytes for m in layers)
+    return [{"path": name, "products": len(layers), "weight_bytes": nbytes, "ms": 1e3 * t,
+             "gb_s": nbytes / t / 1e9} for name, t in best.items()]

@@ -1,11 +1,14 @@
 """Roofline benchmark, `python -m tinykv bench roofline`: how close decoding comes to memory speed.
 
 For each torch thread count, in one run:
-- bandwidth: the machine's read bandwidth, the better of a GEMV and a sum over a large matrix;
+- bandwidth: the machine's read bandwidth, the best of torch's GEMV, tinykv's (gemv.py) and a sum
+  over a large matrix;
 - attention: KV bytes one decode token reads (slots x bytes_per_token, all layers) over the time
   of `cache.attend` in every layer, batch 1, per spec and context;
 - decode: whole model decode steps at batch x context shapes, tinykv per spec beside transformers'
-  default and quanto int4 caches; % of roofline = (weight + KV bytes) / bandwidth / step time.
+  default and quanto int4 caches; % of roofline = (weight + KV bytes) / bandwidth / step time;
+  then as many steps again with timers on tinykv's parts (linear layers, attention, the store and
+  the rest), for the breakdown chart (the timers cost a little, so the plain steps give tok/s).
 Caches are filled with synthetic keys and values, not a real prefill: decode speed does not
 depend on what the cached values are, and a 32k-token prefill takes minutes per point on a CPU.
 """
@@ -19,16 +22,20 @@ import json
 import statistics
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
+from contextlib import ExitStack
 from functools import partial
-from operator import itemgetter
 from pathlib import Path
 
 import torch
 
+from .. import gemv
 from ..cache import PagedKVCache, make_cache
-from ..model import Config, Transformer
+from ..model import Config, Linear, Transformer
+from ..pools import KVPools
 from ..spec import KVSpec
+from .charts import roofline_charts
 from .e2e import DEFAULT_SPECS, HF_QUANT, KIVI, machine_info, md_table
 
 MODES = {
@@ -45,6 +52,7 @@ RATIOS = [("int8/fp16", ("tinykv", "int8"), ("tinykv", "fp16")),
           ("fp16/hf", ("tinykv", "fp16"), ("transformers", "default")),
           ("int4/hf-int4", ("tinykv", "int4"), ("transformers", "quanto-int4"))]
 Tick = Callable[[str], None]
+PARTS = ["linear", "attention", "store", "rest"]  # a decode step's breakdown
 
 
 def _progress(what: str) -> None:
@@ -73,15 +81,19 @@ def _seconds(fn: Callable[[], object], reps: int) -> list[float]:
 
 
 def measure_bandwidth(mib: int, reps: int) -> dict:
-    """Read bandwidth in GB/s (1e9 bytes): a GEMV and a sum over a float32 matrix of `mib` MiB,
-    best of `reps` each; `gb_s` is the higher (the one that came closer to the memory's speed)."""
+    """Read bandwidth in GB/s (1e9 bytes): torch's GEMV, tinykv's and a sum over a float32 matrix
+    of `mib` MiB, best of `reps` each; `gb_s` is the highest (the closest to the memory's speed)."""
     cols = 4096
     a = torch.rand(mib * 2**20 // (4 * cols), cols)  # (R, C)
     x = torch.rand(cols)  # (C,)
-    gemv_gb_s = a.nbytes / min(_seconds(partial(torch.mv, a, x), reps)) / 1e9
-    sum_gb_s = a.nbytes / min(_seconds(a.sum, reps)) / 1e9
-    return {"bytes": a.nbytes, "gemv_gb_s": gemv_gb_s, "sum_gb_s": sum_gb_s,
-            "gb_s": max(gemv_gb_s, sum_gb_s)}
+    out = {"bytes": a.nbytes, "gemv_gb_s": a.nbytes / min(_seconds(partial(torch.mv, a, x),
+                                                                      reps)) / 1e9,
+           "sum_gb_s": a.nbytes / min(_seconds(a.sum, reps)) / 1e9}
+    if gemv.AVAILABLE:
+        product = partial(gemv.gemv, x[None], a)
+        out["tinykv_gemv_gb_s"] = a.nbytes / min(_seconds(product, reps)) / 1e9
+    out["gb_s"] = max(v for k, v in out.items() if k.endswith("gb_s"))
+    return out
 
 
 def synthetic_kv(n: int, heads: int, dim: int, gen: torch.Generator) -> tuple:
@@ -149,23 +161,30 @@ def weight_bytes(model: Transformer) -> int:
     return total
 
 
-def _row(engine: str, kv: str, batch: int, context: int, times: list[float], kv_bytes: float,
-         w_bytes: int, bandwidth: float) -> dict:
-    """A decode row: median step time, tok/s, and its share of the roofline."""
+def _row(engine: str, kv: str, batch: int, context: int, measured: tuple, w_bytes: int,
+         bandwidth: float) -> dict:
+    """A decode row from (step times, mean KV bytes, parts' ms per step or None): median step
+    time, tok/s, the roofline's, and the share of it reached."""
+    times, kv_bytes, parts = measured
     t = statistics.median(times)
     roof = (w_bytes + kv_bytes) / (bandwidth * 1e9)  # seconds at the measured bandwidth
-    return {"engine": engine, "kv": kv, "batch": batch, "context": context, "ms": 1e3 * t,
-            "ms_all": [1e3 * x for x in times], "tok_s": batch / t, "kv_bytes": kv_bytes,
-            "weight_bytes": w_bytes, "roofline_ms": 1e3 * roof, "pct_roofline": 100 * roof / t}
+    row = {"engine": engine, "kv": kv, "batch": batch, "context": context, "ms": 1e3 * t,
+           "ms_all": [1e3 * x for x in times], "tok_s": batch / t, "kv_bytes": kv_bytes,
+           "weight_bytes": w_bytes, "roofline_ms": 1e3 * roof, "roofline_tok_s": batch / roof,
+           "pct_roofline": 100 * roof / t}
+    if parts is not None:
+        row["parts_ms"] = parts
+    return row
 
 
 @torch.inference_mode()
 def decode_tinykv(model: Transformer, spec: str, batch: int, context: int, steps: int) -> tuple:
     """Seconds of `steps` real decode steps (plan, model, commit; one more untimed first) of
-    `batch` sequences holding `context` synthetic tokens -> (times, mean KV bytes per step)."""
+    `batch` sequences holding `context` synthetic tokens, then `steps` more with the parts timed
+    -> (times, mean KV bytes per step, the parts' ms per step)."""
     gen = torch.Generator().manual_seed(batch * context)
     seq_ids = list(range(batch))
-    with make_cache(model.cfg, spec, tokens=batch * (context + steps + 1), max_seqs=batch,
+    with make_cache(model.cfg, spec, tokens=batch * (context + 2 * steps + 1), max_seqs=batch,
                     device="cpu", dtype=torch.float32) as cache:
         fill(cache, seq_ids, context, gen)
         tokens = torch.full((batch,), 5, dtype=torch.long)  # (B,)
@@ -178,7 +197,26 @@ def decode_tinykv(model: Transformer, spec: str, batch: int, context: int, steps
         def held() -> float:
             return sum(cache.slots(s) for s in seq_ids) * cache.bytes_per_token
 
-        return _time_steps(step, held, steps)
+        times, kv_bytes = _time_steps(step, held, steps)
+        return times, kv_bytes, _time_parts(step, steps)
+
+
+def _time_parts(step: Callable[[int], None], steps: int) -> dict:
+    """ms per step of the linear layers, attention, the store and the rest, over `steps` more
+    steps with timers on (bench profile's)."""
+    from .profile import timing
+
+    acc: Counter = Counter()
+    with ExitStack() as stack:
+        stack.enter_context(timing(Linear, "forward", acc, "linear"))
+        stack.enter_context(timing(PagedKVCache, "attend", acc, "attention"))
+        stack.enter_context(timing(KVPools, "write", acc, "store"))
+        t0 = time.perf_counter()
+        for i in range(steps):
+            step(steps + 1 + i)
+        total = time.perf_counter() - t0
+    parts = {k: 1e3 * acc[k] / steps for k in PARTS[:3]}
+    return parts | {"rest": 1e3 * total / steps - sum(parts.values())}
 
 
 def _time_steps(step: Callable[[int], None], held: Callable[[], float], steps: int) -> tuple:
@@ -238,7 +276,7 @@ def decode_hf(hf, batch: int, context: int, steps: int, quantized: bool) -> tupl
                     out += tensor_bytes(getattr(lay, name))
         return out
 
-    return _time_steps(step, held, steps)
+    return (*_time_steps(step, held, steps), None)
 
 
 def ratios(rows: list[dict]) -> list[dict]:
@@ -289,20 +327,27 @@ def collect(model: Transformer, hf, mode: dict, specs: list[str], threads: list[
                 tick(f"{n} threads: attention {spec} {ctx}")
         decode = []
         for batch, ctx in mode["shapes"]:
-            # the decode steps must fit in the model's context: 8192 becomes 8192 - steps - 2
-            ctx = min(ctx, model.cfg.max_seq_len - mode["steps"] - 2)
+            # the decode steps (timed, then as many with timers) must fit in the model's context:
+            # 8192 becomes 8192 - 2 * steps - 2
+            ctx = min(ctx, model.cfg.max_seq_len - 2 * mode["steps"] - 2)
             for spec in specs:
-                times, kv = decode_tinykv(model, spec, batch, ctx, mode["steps"])
-                decode.append(_row("tinykv", spec, batch, ctx, times, kv, w_bytes, bw["gb_s"]))
+                measured = decode_tinykv(model, spec, batch, ctx, mode["steps"])
+                decode.append(_row("tinykv", spec, batch, ctx, measured, w_bytes, bw["gb_s"]))
                 tick(f"{n} threads: decode {spec} {batch}x{ctx}")
             for kind, quantized in hf_kinds:
-                times, kv = decode_hf(hf, batch, ctx, mode["steps"], quantized)
-                decode.append(_row("transformers", kind, batch, ctx, times, kv, w_bytes,
+                measured = decode_hf(hf, batch, ctx, mode["steps"], quantized)
+                decode.append(_row("transformers", kind, batch, ctx, measured, w_bytes,
                                    bw["gb_s"]))
                 tick(f"{n} threads: transformers {kind} {batch}x{ctx}")
         out["runs"].append({"threads": n, "bandwidth": bw, "attention": attn, "decode": decode,
                             "ratios": ratios(decode)})
     return out
+
+
+def _parts(row: dict) -> str:
+    """A step's breakdown as 'linear / attention / store / rest' ms, '-' where not measured."""
+    parts = row.get("parts_ms")
+    return " / ".join(f"{parts[k]:.3g}" for k in PARTS) if parts else "-"
 
 
 def render(results: dict) -> str:
@@ -313,16 +358,17 @@ def render(results: dict) -> str:
     for run in results["runs"]:
         bw = run["bandwidth"]
         out += [f"### {run['threads']} thread(s)", "",
-                f"Read bandwidth {bw['gb_s']:.1f} GB/s (GEMV {bw['gemv_gb_s']:.1f}, sum "
-                f"{bw['sum_gb_s']:.1f}, over {bw['bytes'] / 2**20:.0f} MiB).", ""]
+                f"Read bandwidth {bw['gb_s']:.1f} GB/s, the best of torch's GEMV "
+                f"{bw['gemv_gb_s']:.1f}, tinykv's {bw.get('tinykv_gemv_gb_s', 0):.1f} and a sum "
+                f"{bw['sum_gb_s']:.1f}, over {bw['bytes'] / 2**20:.0f} MiB.", ""]
         attn = [[f"`{r['kv']}`", r["context"], f"{r['kv_bytes'] / 1e6:.3g}", f"{r['ms']:.3g}",
                  f"{r['gb_s']:.3g}", f"{r['pct_bandwidth']:.3g}%"] for r in run["attention"]]
         out += md_table(["KV spec", "context", "KV MB", "attend ms", "GB/s", "% bandwidth"], attn)
         dec = [[f"{r['engine']} `{r['kv']}`", f"{r['batch']}x{r['context']}",
                 f"{r['kv_bytes'] / 1e6:.3g}", f"{r['ms']:.3g}", f"{r['tok_s']:.3g}",
-                f"{r['pct_roofline']:.3g}%"] for r in run["decode"]]
+                f"{r['pct_roofline']:.3g}%", _parts(r)] for r in run["decode"]]
         out += [""] + md_table(["engine / KV", "batch x ctx", "KV MB/step", "step ms", "tok/s",
-                           "% roofline"], dec)
+                                "% roofline", "linear / attention / store / rest ms"], dec)
         names = [name for name, _, _ in RATIOS]
         names += [k for k in dict.fromkeys(k for r in run["ratios"] for k in r)
                   if k not in names and k not in ("batch", "context")]
@@ -332,43 +378,6 @@ def render(results: dict) -> str:
             rat.append([f"{r['batch']}x{r['context']}"] + cells)
         out += [""] + md_table(["batch x ctx"] + names, rat) + [""]
     return "\n".join(out)
-
-
-def chart(results: dict, path: Path) -> str | None:
-    """Decode tok/s against KV bytes per step (log x), a series per engine, spec and threads;
-    None where matplotlib is missing."""
-    if importlib.util.find_spec("matplotlib") is None:
-        return None
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 5))
-    series = dict.fromkeys((r["engine"], r["kv"]) for run in results["runs"] for r in run["decode"])
-    color = {name: f"C{i % 10}" for i, name in enumerate(series)}  # one per engine and spec
-    for i, run in enumerate(results["runs"]):
-        style = ["-", "--", ":", "-."][i % 4]  # one per thread count
-        for engine, kv in series:
-            rs = [r for r in run["decode"] if (r["engine"], r["kv"]) == (engine, kv)]
-            rs.sort(key=itemgetter("kv_bytes"))
-            xs = [r["kv_bytes"] for r in rs]
-            ys = [r["tok_s"] for r in rs]
-            name = "KIVI" if kv == KIVI else kv
-            ax.plot(xs, ys, style, marker="o", color=color[engine, kv],
-                    label=f"{engine} {name}, {run['threads']} thr")
-            for r in rs:
-                ax.annotate(f"{r['batch']}x{r['context']}", (r["kv_bytes"], r["tok_s"]),
-                            fontsize=6, xytext=(3, 3), textcoords="offset points")
-    # log y too: batch 64 decodes tens of times more tokens a second than batch 1
-    ax.set(xscale="log", yscale="log", xlabel="KV bytes read per decode step",
-           ylabel="decode tokens/s (all sequences)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=6)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return str(path)
 
 
 def run(model: Transformer, weights: Path | None, quick: bool = False,
@@ -405,8 +414,12 @@ def run(model: Transformer, weights: Path | None, quick: bool = False,
         set_threads(before)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    res["chart"] = chart(res, out.with_suffix(".png"))
-    out.write_text(json.dumps(res, indent=1))
+    res["charts"] = roofline_charts(res, out.with_suffix(".png"),
+                                    lambda kv: "KIVI" if kv == KIVI else kv)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(res, indent=1))
+    tmp.replace(out)
     print(render(res))
-    print(f"[tinykv] results in {out}" + (f", {res['chart']}" if res["chart"] else ""))
+    pngs = [p for made in res["charts"].values() for p in made if p]
+    print(f"[tinykv] results in {out}" + "".join(f", {p}" for p in pngs))
     return res

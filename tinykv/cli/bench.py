@@ -18,6 +18,8 @@ def cmd_bench(args) -> None:
         return cmd_bench_roofline(args)
     if args.bench_cmd == "quality":
         return cmd_bench_quality(args)
+    if args.bench_cmd == "peers":
+        return cmd_bench_peers(args)
     text_path = args.text or str(SAMPLE_TEXT)
     if args.bench_cmd == "profile":
         text = read_text(text_path, "bench profile")
@@ -85,3 +87,24 @@ def cmd_bench_quality(args) -> None:
     command = " ".join(["python -m tinykv bench", *map(shlex.quote, sys.argv[2:])])
     quality.run(model, path, args.kv, tokens, window, args.chunk, lengths, args.depths,
                 args.trials, scales_for, filler, args.out, command)
+
+
+def cmd_bench_peers(args) -> None:
+    from ..bench import peers
+    from ..evaluate import SAMPLE_TEXT
+
+    args.device = args.device or "cpu"  # llama.cpp runs on the CPU: tinykv beside it too
+    if args.device != "cpu" or (args.dtype or "float32") != "float32":
+        raise UsageError("bench peers compares float32 weights on the CPU (--device cpu "
+                         "--dtype float32)")
+    text = read_text(args.text or str(SAMPLE_TEXT), "bench peers")
+    model, path = load_model(args)
+    window = window_of(args, model)
+    specs = [str(s) for s in args.kv] if args.kv else ["fp16", "int8", "int4"]
+    command = " ".join(["python -m tinykv bench", *map(shlex.quote, sys.argv[2:])])
+    if args.no_ppl and args.no_speed:
+        raise UsageError("--no-ppl with --no-speed leaves nothing to measure")
+    contexts = [] if args.no_speed else args.contexts
+    peers.run(model, path, text, contexts, specs, args.rounds, args.new, args.threads,
+              not args.no_ppl, args.out, command, window, args.offset, args.max_tokens,
+              llama_kv=args.llama_kv)

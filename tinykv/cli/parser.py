@@ -383,6 +383,30 @@ def add_bench_parsers(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--weights", metavar="DIR", help="model folder (default: SmolLM2-135M)")
     r.add_argument("--no-transformers", action="store_true", help="tinykv only")
     add_quality_parser(bsub)
+    add_peers_parser(bsub)
+
+
+def add_peers_parser(bsub: argparse._SubParsersAction) -> None:
+    pe = bsub.add_parser("peers", help="llama.cpp beside tinykv on the same weights",
+                         description="llama.cpp (the peers extra) and tinykv on the same F32 "
+                                     "weights: decode tok/s, prefill time, perplexity.",
+                         formatter_class=Help)
+    pe.set_defaults(prog=pe.prog)
+    pe.add_argument("--contexts", type=POSITIVE, nargs="+", default=[512, 4096, 8192],
+                    metavar="N", help="prompt tokens (cut to fit the decode in the model)")
+    pe.add_argument("--kv", type=kv_spec, nargs="+", metavar="SPEC",
+                    help="tinykv KV specs (default: fp16 int8 int4)")
+    pe.add_argument("--rounds", type=POSITIVE, default=5, metavar="N", help="timed rounds")
+    pe.add_argument("--new", type=POSITIVE, default=16, metavar="N", help="tokens per round")
+    pe.add_argument("--llama-kv", nargs="+", choices=["f16", "q8_0", "q4_0"],
+                    default=["f16", "q8_0", "q4_0"], metavar="TYPE",
+                    help="llama.cpp cache types: f16, q8_0, q4_0")
+    pe.add_argument("--no-ppl", action="store_true", help="speed only")
+    pe.add_argument("--no-speed", action="store_true", help="perplexity only")
+    pe.add_argument("--out", default="bench/peers-new.json", metavar="JSON",
+                    help="results JSON; the chart goes beside it")
+    add_text_args(pe, 4096)
+    add_model_args(pe, threads=1)
 
 
 def batch_context(text: str) -> tuple[int, int]:

@@ -1,0 +1,167 @@
+"""Decode-time linear layers on the CPU: y = x W^T + b for a few rows of x, reading W once.
+
+A decode step multiplies one activation row per sequence by every weight matrix of the model, so
+its linear layers are matrix-vector products bound by the bytes of W, not by arithmetic. Torch's
+`F.linear` takes the general matmul path for them and reads the weights well below the machine's
+bandwidth. The kernel here walks W in blocks of `ROWS` output rows: each block streams from memory
+once, its rows in parallel (so the prefetchers see a few sequential streams), and every activation
+row of the batch is multiplied by the block while it sits in L1. Prefill chunks and large batches,
+where a matmul is bound by arithmetic, stay with torch (`SMALL_BATCH`).
+
+`select_linear(device, dtype)` chooses once, when the model is loaded (model.py calls it), like the
+attention kernels: `linear_cpu` where numba is installed and the weights are on the CPU, else
+`F.linear`. Weights may be float32, bfloat16 or float16: half weights travel as integer bits and
+are widened in registers (numba has no float16 on the CPU), accumulation is float32 either way.
+"""
+
+from __future__ import annotations
+
+import platform
+from collections.abc import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+try:
+    import numba
+    from llvmlite import binding as llvm
+    from llvmlite import ir
+    from numba import njit, prange, types
+    from numba.extending import intrinsic
+
+    AVAILABLE = True
+    # LLVM widens half to float with one F16C instruction; without F16C it would call a runtime
+    # function numba may not link, so float16 weights then stay with torch.
+    F16C = platform.machine() not in ("x86_64", "AMD64") or \
+        "+f16c" in llvm.get_host_cpu_features().flatten()
+except ImportError:  # no numba: every product goes to torch
+    AVAILABLE, F16C = False, False
+    numba = ir = types = None
+    prange = range
+
+    def intrinsic(fn):
+        return fn
+
+    def njit(*_a, **_kw):
+        return intrinsic
+
+ROWS = 4  # output rows per pass over x: 4 weight streams, 4 vector accumulators
+SMALL_BATCH = 8  # activation rows up to which the GEMV beats torch's matmul (bench profile)
+LinearFn = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+# Weight dtype -> the numpy type the kernel receives it as. The element type tells the kernel the
+# format (`_widen`): half weights travel as bits, bf16 as int16 and fp16 as uint16.
+_AS_NUMPY = {torch.float32: np.float32, torch.bfloat16: np.int16, torch.float16: np.uint16}
+
+
+@intrinsic
+def _widen(typingctx, w):
+    """Weight element -> float32: a float32 as is; bf16 bits (int16) shifted into a float32's high
+    half; fp16 bits (uint16) through LLVM's half type (vcvtph2ps with F16C). Each weight type
+    compiles to its own straight-line code."""
+    def codegen(context, builder, sig, args):
+        v = args[0]
+        if w == types.float32:
+            return v
+        if w == types.int16:
+            wide = builder.shl(builder.zext(v, ir.IntType(32)), ir.IntType(32)(16))
+            return builder.bitcast(wide, ir.FloatType())
+        return builder.fpext(builder.bitcast(v, ir.HalfType()), ir.FloatType())
+    if w not in (types.float32, types.int16, types.uint16):
+        return None
+    return types.float32(w), codegen
+
+
+def _gemv_block(x, w, y, block):
+    """Output rows block*ROWS .. +ROWS (fewer at the end) of y (B, N) = x (B, K) @ w (N, K)^T;
+    the block's weights come from memory once and stay in L1 for the rest of the batch."""
+    n, k = w.shape
+    r = block * ROWS
+    if r + ROWS > n:  # the last rows, when N is not a multiple of ROWS
+        for row in range(r, n):
+            for b in range(x.shape[0]):
+                acc = np.float32(0.0)
+                for c in range(k):
+                    acc += _widen(w[row, c]) * x[b, c]
+                y[b, row] = acc
+        return
+    for b in range(x.shape[0]):
+        a0 = np.float32(0.0)
+        a1 = np.float32(0.0)
+        a2 = np.float32(0.0)
+        a3 = np.float32(0.0)
+        for c in range(k):  # fastmath: LLVM vectorizes the four dot products along c
+            xc = x[b, c]
+            a0 += _widen(w[r, c]) * xc
+            a1 += _widen(w[r + 1, c]) * xc
+            a2 += _widen(w[r + 2, c]) * xc
+            a3 += _widen(w[r + 3, c]) * xc
+        y[b, r] = a0
+        y[b, r + 1] = a1
+        y[b, r + 2] = a2
+        y[b, r + 3] = a3
+
+
+_FASTMATH = {"reassoc", "contract", "arcp", "nsz"}  # sums may be reordered; nans still propagate
+if AVAILABLE:
+    _block = njit(fastmath=_FASTMATH, inline="always", cache=True)(_gemv_block)
+
+    @njit(fastmath=_FASTMATH, cache=True)
+    def _gemv_serial(x, w, y):
+        for block in range(-(-w.shape[0] // ROWS)):
+            _block(x, w, y, block)
+
+    @njit(fastmath=_FASTMATH, cache=True, parallel=True)
+    def _gemv_parallel(x, w, y):
+        for block in prange(-(-w.shape[0] // ROWS)):  # threads split the output rows
+            _block(x, w, y, block)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x (B, K) float32 @ weight (N, K)^T -> (B, N) float32, by the numba kernel, on torch's
+    number of threads."""
+    w = weight.detach()
+    if weight.dtype == torch.float32:
+        w = w.numpy()  # (N, K)
+    else:  # (N, K) bits: int16 for bf16, uint16 for fp16 (what `_widen` reads)
+        w = w.view(torch.int16).numpy().view(_AS_NUMPY[weight.dtype])
+    y = np.empty((x.shape[0], weight.shape[0]), np.float32)  # (B, N)
+    threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)  # torch's, as cpu.py
+    if threads > 1:
+        numba.set_num_threads(threads)
+        _gemv_parallel(x.numpy(), w, y)
+    else:
+        _gemv_serial(x.numpy(), w, y)
+    return torch.from_numpy(y)
+
+
+def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the GEMV serves this product: a few rows, CPU tensors, a weight stored row by row
+    in a format it reads."""
+    return (x.numel() <= SMALL_BATCH * x.shape[-1] and weight.dtype in _AS_NUMPY
+            and x.device.type == "cpu" and weight.is_contiguous()
+            and (weight.dtype != torch.float16 or F16C))
+
+
+def linear_cpu(x: torch.Tensor, weight: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear's contract: x (..., K) -> (..., N), in x's dtype; the GEMV for a few rows, torch's
+    matmul otherwise."""
+    if not fits(x, weight):
+        return F.linear(x, weight, bias)
+    flat = x.reshape(-1, x.shape[-1])  # (B, K)
+    if flat.dtype != torch.float32 or not flat.is_contiguous():
+        flat = flat.to(torch.float32).contiguous()
+    y = gemv(flat, weight)  # (B, N) float32
+    if bias is not None:
+        y += bias
+    if x.dtype != torch.float32:
+        y = y.to(x.dtype)
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def select_linear(device: torch.device | str) -> LinearFn:
+    """The linear layers' function for a model on `device`: chosen once, when the model loads."""
+    if torch.device(device).type == "cpu" and AVAILABLE:
+        return linear_cpu
+    return F.linear
