@@ -376,6 +376,8 @@ def chart(res: dict, path: Path) -> str | None:
     from .charts import grouped_bars
 
     contexts = list(dict.fromkeys(r["context"] for r in res["rows"]))
+    if not contexts:  # perplexity only (--no-speed): no speed to chart
+        return None
     series = {}
     for r in res["rows"]:
         name = f"{r['engine']} {r['kv']}"
