@@ -24,6 +24,17 @@ def test_temperature_zero_is_greedy():
     assert sample(torch.tensor([0.1, 2.0, -1.0, 1.9]), Sampling(temperature=0), None) == 1
 
 
+@pytest.mark.parametrize("temperature", [1e-300, 5e-324, 1e-30])
+def test_tiny_temperature_is_greedy_not_nan(temperature):
+    """A positive temperature so small that logits / T overflow float32 (and float64 for the
+    smallest) still samples: the likeliest token, every time."""
+    logits = torch.tensor([1.0, 3.0, 2.0, -5.0])
+    gen = torch.Generator().manual_seed(0)
+    for top_k, top_p in ((0, 1.0), (2, 0.9)):
+        s = Sampling(temperature=temperature, top_k=top_k, top_p=top_p)
+        assert [sample(logits, s, gen) for _ in range(20)] == [1] * 20
+
+
 def test_top_k_and_top_p_keep_the_tokens_they_must():
     assert drawn(Sampling(temperature=1.0)) == {0, 1, 2, 3}
     assert drawn(Sampling(temperature=1.0, top_k=2)) == {0, 1}

@@ -40,7 +40,9 @@ def sample(logits: torch.Tensor, s: Sampling, gen: torch.Generator | None) -> in
     """One token from a (V,) row of logits: greedy at temperature 0, else top-k / top-p sampling."""
     if s.temperature <= 0:
         return int(torch.argmax(logits))
-    logits = logits.float() / s.temperature
+    # From the largest logit down, in float64: a tiny temperature then sends the others to -inf
+    # (probability 0) instead of overflowing every logit to inf (a NaN softmax).
+    logits = (logits.double() - logits.max()) / s.temperature
     if s.top_k > 0:
         kth = torch.topk(logits, min(s.top_k, logits.numel())).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
