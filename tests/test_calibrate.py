@@ -15,7 +15,7 @@ from tinykv.calibrate import calibrate, export_vllm, observe, parse_observer, re
 from tinykv.evaluate import perplexity
 from tinykv.plots import plot_channels
 from tinykv.quant import quantize
-from tinykv.scalefile import CalibrationError, load_scales, save_scales
+from tinykv.scalefile import FORMAT, CalibrationError, fingerprint, load_scales, save_scales
 from tinykv.spec import KVSpec, QuantParams
 
 # Axes of (L, H, T, D) reduced per scale group, with keepdims.
@@ -186,6 +186,12 @@ def test_missing_or_foreign_file(tmp_path, saved):
     save_file({"k_scale": torch.ones(1)}, str(tmp_path / "other.safetensors"))
     with pytest.raises(CalibrationError, match="not a tinykv scale file"):
         load_scales(tmp_path / "other.safetensors", m.cfg, spec)
+    # a file that claims the format and the model but names no spec, or a malformed one
+    for meta in ({}, {"spec": "int9"}):
+        meta = {"format": FORMAT, **fingerprint(m.cfg), **meta}
+        save_file({"k_scale": torch.ones(1)}, str(tmp_path / "bare.safetensors"), metadata=meta)
+        with pytest.raises(CalibrationError, match="no valid KV spec"):
+            load_scales(tmp_path / "bare.safetensors", m.cfg, spec)
 
 
 @pytest.mark.parametrize("gran", ["tensor", "head"])

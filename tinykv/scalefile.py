@@ -16,7 +16,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .model import Config
-from .spec import KVSpec, QuantParams
+from .spec import KVSpec, QuantParams, SpecError
 
 FORMAT = "tinykv-kv-scales/1"  # metadata["format"] of a scale file
 
@@ -59,7 +59,10 @@ def load_scales(path: str | Path, cfg: Config, spec: KVSpec) -> dict[str, torch.
     if diff:
         raise CalibrationError(f"{path} was calibrated for another model "
                                f"({', '.join(diff)} of this one)")
-    file_spec = KVSpec.parse(meta["spec"])
+    try:
+        file_spec = KVSpec.parse(meta.get("spec", ""))
+    except SpecError as e:
+        raise CalibrationError(f"{path}: its metadata holds no valid KV spec ({e})") from None
     if file_spec.skip != spec.skip:
         raise CalibrationError(f"{path} was calibrated for skip={file_spec.skip or 'none'}, "
                                f"not skip={spec.skip or 'none'} (it is for '{file_spec}')")
