@@ -261,7 +261,7 @@ class PagedKVCache:
                 continue
             n = int(plan.ctx_lens[row])
             tables = {tier: t[row:row + 1] for tier, t in plan.tables.items()}
-            keys = self.pools.read(layer, 0, tables)[:, :n]  # (H, n, D)
+            keys = self._read(layer, 0, sid, tables)[:, :n]  # (H, n, D)
             got = evict.attention_received(q[rows], plan.q_slots[rows], keys, self.sm_scale)
             self.scores.add(sid, layer, got)  # (H, n)
 
@@ -288,17 +288,21 @@ class PagedKVCache:
         self.tables.commit([seq_id])
 
     def seq_kv(self, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A sequence's keys and values as stored, dequantized: (L, H, slots, D) each, float32.
-        Offloaded blocks come back to the device first."""
-        st = self.tables.seqs[seq_id]
-        for tier, b in st.blocks:
-            if tier in (HOST, DISK):
-                self.tables.tiers.move(tier, b, STORE)
-        tables = self._tables([seq_id])
-        layers = range(self.cfg.n_layers)
-        k = torch.stack([self.pools.read(layer, 0, tables) for layer in layers])  # (L, H, S, D)
-        v = torch.stack([self.pools.read(layer, 1, tables) for layer in layers])
-        return k[..., :st.slots, :], v[..., :st.slots, :]  # (L, H, slots, D)
+        """A sequence's keys and values as stored, dequantized: (L, H, slots, D) each, float32."""
+        tables, layers = self._tables([seq_id]), range(self.cfg.n_layers)
+        k = torch.stack([self._read(layer, 0, seq_id, tables) for layer in layers])
+        v = torch.stack([self._read(layer, 1, seq_id, tables) for layer in layers])
+        return k[..., :self.slots(seq_id), :], v[..., :self.slots(seq_id), :]  # (L, H, slots, D)
+
+    def _read(self, layer: int, which: int, seq_id: int, tables: dict) -> torch.Tensor:
+        """pools.read of one sequence, whose offloaded blocks are read where they lie: the
+        device that offloaded them may have no room to take them back (snapkv compacts a whole
+        prompt longer than the device pool)."""
+        if not (self.offload and self.tables.placed([seq_id], (HOST, DISK))):
+            return self.pools.read(layer, which, tables)
+        entries = self.tables.placed([seq_id], (STORE, HOST, DISK))
+        table, rows = self.offload.read_blocks(layer, entries, tables[STORE].shape[1])
+        return self.pools.read(layer, which, {**tables, STORE: table}, rows)
 
 
 def _index(x: list[int], device: torch.device) -> torch.Tensor:

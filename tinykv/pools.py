@@ -193,10 +193,13 @@ class KVPools:
                 if not isinstance(n_sat, int) or n_sat:  # adding a Python 0 costs an op too
                     self._saturated += n_sat
 
-    def read(self, layer: int, which: int, tables: dict[int, torch.Tensor]) -> torch.Tensor:
+    def read(self, layer: int, which: int, tables: dict[int, torch.Tensor],
+             moving: list[torch.Tensor] | None = None) -> torch.Tensor:
         """K (which=0) or V (1) of one layer of one sequence, dequantized, from its blocks
-        (tables: pool -> (1, MB) block ids, -1 where a block is elsewhere): (H, MB * BS, D)."""
-        x = gather_dequant(self.views[layer][which], tables[STORE])[0]  # (H, S, D)
+        (tables: pool -> (1, MB) block ids, -1 where a block is elsewhere): (H, MB * BS, D).
+        `moving` (blocks read from the offload tiers, as `layer` takes them) replaces the store's
+        own tensors, tables[STORE] indexing them."""
+        x = gather_dequant(self.layer(layer, moving)[which], tables[STORE])[0]  # (H, S, D)
         if HOT in tables:
             hot = gather_dequant(self.hot_views[layer][which], tables[HOT])[0]  # (H, S, D)
             block_size = self.hot.shape[-2]
