@@ -234,3 +234,18 @@ def test_plot_channels(tmp_path):
     rec = record(tiny(), list(range(50)), window=50)
     plot_channels(rec.stacked("k"), rec.stacked("v"), tmp_path / "c.png")
     assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_levels_used_finds_scales_far_too_large():
+    """Scales from the text itself use most of int8's range; a thousand times larger, 99.9% of
+    the values sit within a fraction of a step of zero (and nothing clips to tell)."""
+    from tinykv.calibrate import levels_used
+
+    m = tiny()
+    spec = KVSpec.parse("k=int8:channel:static,v=int8:head:asym:static")
+    tokens = list(range(100))
+    scales = calibrate(m, tokens, spec, window=64)
+    fit = levels_used(m, tokens, spec, scales)
+    assert fit.keys() == {"k", "v"} and min(fit.values()) > 20
+    big = {name: s * 1000 if name.endswith("scale") else s for name, s in scales.items()}
+    assert max(levels_used(m, tokens, spec, big).values()) < 0.2

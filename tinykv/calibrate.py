@@ -25,7 +25,8 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from .model import Transformer
-from .plots import plot_channels
+from .outputs import check_outputs, write_text, written
+from .plots import check_figure_path, plot_channels
 from .quant import Transform, compute_scales, layer_transforms
 from .scalefile import CalibrationError, save_scales
 from .spec import KVSpec, QuantParams
@@ -281,6 +282,27 @@ def calibrated(model: Transformer, tokens: list[int], spec: KVSpec, observer: st
     return out, k, v
 
 
+def levels_used(model: Transformer, tokens: list[int], spec: KVSpec,
+                scales: dict[str, torch.Tensor]) -> dict[str, float]:
+    """How much of its format static scales let what the model stores for `tokens` use, per
+    static part ('k', 'v'): the 99.9th percentile of |x| / scale over the stored values x (as
+    the spec transforms them), in steps of the integer format (fp8: in its smallest normal
+    steps, 2^-6). Below 2, nearly every value rounds to zero or one step: scales calibrated on
+    far larger values (another model or text), which give garbage without clipping anything."""
+    rec = record(model, tokens, window=len(tokens))
+    transforms = layer_transforms(spec, model.cfg.n_layers, model.cfg.head_dim, scales)
+    out = {}
+    for name, p in (("k", spec.k), ("v", spec.v)):
+        if not p.static:
+            continue
+        x = as_cached(rec.stacked(name), name, transforms)  # (L, H, T, D)
+        steps = (x / scales[f"{name}_scale"]).abs().flatten()  # scale (L, H|1, 1, G)
+        if p.dtype == "fp8":
+            steps = steps * 2.0**6
+        out[name] = float(_quantile(steps[None], 0.999)[0])
+    return out
+
+
 def export_vllm(scales: dict[str, torch.Tensor], spec: KVSpec, path: str | Path) -> dict:
     """Write scales in vLLM's names and shapes (module docstring); the kv_cache_scheme entry is
     returned and written beside them as NAME.kv_cache_scheme.json."""
@@ -290,13 +312,18 @@ def export_vllm(scales: dict[str, torch.Tensor], spec: KVSpec, path: str | Path)
         for i, s in enumerate(scales[f"{name}_scale"]):  # s: (H|1, 1, 1)
             shape = (-1,) if p.gran == "tensor" else s.shape  # (1,) per tensor, (H, 1, 1) per head
             out[f"model.layers.{i}.self_attn.{name}_scale"] = s.float().reshape(shape)
-    save_file({n: t.contiguous() for n, t in out.items()}, str(path))
+    with written(path) as tmp:
+        save_file({n: t.contiguous() for n, t in out.items()}, str(tmp))
     scheme = {"num_bits": 8, "type": "float" if p.dtype == "fp8" else "int",
               "strategy": "tensor" if p.gran == "tensor" else "attn_head", "dynamic": False,
               "symmetric": True}
-    text = json.dumps({"kv_cache_scheme": scheme}, indent=2)
-    Path(path).with_suffix(".kv_cache_scheme.json").write_text(text)
+    write_text(vllm_scheme_path(path), json.dumps({"kv_cache_scheme": scheme}, indent=2))
     return scheme
+
+
+def vllm_scheme_path(path: str | Path) -> Path:
+    """Where export_vllm puts the kv_cache_scheme entry beside its scales."""
+    return Path(path).with_suffix(".kv_cache_scheme.json")
 
 
 def calibrate_to_file(model: Transformer, tokens: list[int], spec: KVSpec, out: str | Path,
@@ -306,6 +333,11 @@ def calibrate_to_file(model: Transformer, tokens: list[int], spec: KVSpec, out: 
     on tokens and save it (and the vLLM export, the channel plot when asked); returns the number
     of tokens observed."""
     check_request(spec, observer, vllm=bool(vllm_out))
+    vllm_scheme = vllm_scheme_path(vllm_out) if vllm_out else None
+    check_outputs({"out": out, "vllm_out": vllm_out, "vllm_out scheme": vllm_scheme,
+                   "plot": plot})
+    if plot:
+        check_figure_path("plot", plot)
     scales, k, v = calibrated(model, tokens, spec, observer, window, progress)
     save_scales(out, scales, model.cfg, spec, observer, len(tokens))
     if vllm_out:

@@ -38,7 +38,7 @@ from tqdm import tqdm
 from .cache import PagedKVCache
 from .calibrate import as_cached, record
 from .model import Transformer
-from .plots import pyplot
+from .plots import pyplot, save_figure
 from .quant import Transform, compute_scales, dequantize, layer_transforms, quantize
 from .spec import KVSpec, QuantParams
 
@@ -243,5 +243,4 @@ def plot_sweep(results: list[EvalResult], path: str | Path) -> None:
            ylabel=f"perplexity (windows of {results[0].window})")
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)

@@ -27,7 +27,7 @@ from tqdm import tqdm
 from .cache import PagedKVCache, make_cache
 from .generate import Engine, Sampling
 from .model import Transformer
-from .plots import pyplot
+from .plots import pyplot, save_figure
 from .spec import KVSpec
 from .tokenizer import Tokenizer
 
@@ -268,5 +268,4 @@ def plot_heatmap(result: PasskeyResult, path: str | Path) -> None:
            title=f"passkey retrieval, kv {result.kv}: {result.overall:.0%}")
     fig.colorbar(im, ax=ax, label="accuracy")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)

@@ -5,8 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 from types import ModuleType
+from typing import TYPE_CHECKING
 
-import torch
+from .outputs import written
+
+if TYPE_CHECKING:
+    import torch
 
 
 class PlotError(ValueError):
@@ -25,6 +29,28 @@ def pyplot() -> ModuleType:
     return plt
 
 
+def check_figure_path(name: str, path: str | Path) -> None:
+    """Before the slow part: matplotlib is there and writes the format `path` names (its suffix;
+    none is PNG)."""
+    pyplot()
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    fmt = Path(path).suffix.lstrip(".").lower()
+    known = FigureCanvasBase.get_supported_filetypes()
+    if fmt and fmt not in known:
+        raise PlotError(f"{name} {path}: a chart is written as {', '.join(sorted(known))}, not "
+                        f"{fmt!r}")
+
+
+def save_figure(fig, path: str | Path, make_folders: bool = False, dpi: int = 100) -> None:
+    """Write a figure to `path` whole (outputs.written) and close it."""
+    try:
+        with written(path, make_folders) as tmp:
+            fig.savefig(tmp, dpi=dpi)
+    finally:
+        pyplot().close(fig)
+
+
 def plot_channels(k: torch.Tensor, v: torch.Tensor, path: str | Path, n_layers: int = 4) -> None:
     """PNG of per-channel absmax of keys and values (L, H, T, D) for a few layers: key outlier
     channels (a few channels far above the rest) are why per-channel key scales beat per-token
@@ -40,5 +66,4 @@ def plot_channels(k: torch.Tensor, v: torch.Tensor, path: str | Path, n_layers: 
             ax.set(title=f"layer {layer} {name}", xlabel="head * head_dim + channel",
                    ylabel="absmax")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)

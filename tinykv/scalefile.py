@@ -16,6 +16,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .model import Config
+from .outputs import written
 from .spec import KVSpec, QuantParams, SpecError
 
 FORMAT = "tinykv-kv-scales/1"  # metadata["format"] of a scale file
@@ -38,7 +39,8 @@ def save_scales(path: str | Path, scales: dict[str, torch.Tensor], cfg: Config, 
     """A scale file: the tensors as float32 safetensors, with what `load_scales` checks."""
     meta = {"format": FORMAT, "spec": str(spec), "observer": observer, "tokens": str(tokens),
             **fingerprint(cfg)}
-    save_file({n: t.float().contiguous() for n, t in scales.items()}, str(path), metadata=meta)
+    with written(path) as tmp:
+        save_file({n: t.float().contiguous() for n, t in scales.items()}, str(tmp), metadata=meta)
 
 
 def load_scales(path: str | Path, cfg: Config, spec: KVSpec) -> dict[str, torch.Tensor]:

@@ -15,6 +15,8 @@ import importlib.util
 from collections.abc import Callable
 from pathlib import Path
 
+from ..plots import save_figure
+
 # Engine families keep their colors across charts: tinykv blue/green, llama.cpp orange/red,
 # transformers grey.
 _PALETTES = {"tinykv": ["#1f77b4", "#2ca02c", "#17becf", "#9467bd", "#8c564b"],
@@ -95,8 +97,7 @@ def grouped_bars(path: Path, groups: list[str], series: list[tuple[str, list, li
                      label="roofline: the bar's bytes at the read bandwidth")
         fig.legend(loc="lower center", fontsize=7, frameon=False)
     fig.tight_layout(rect=(0, 0.04, 1, 1))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, make_folders=True, dpi=110)
     return str(path)
 
 
@@ -127,9 +128,19 @@ def stacked_bars(path: Path, groups: list[str], bars: list[list[tuple[str, dict]
     fig.legend(handles, labels, loc="lower center", ncol=len(PART_COLORS), fontsize=7,
                frameon=False)
     fig.tight_layout(rect=(0, 0.05, 1, 1))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, make_folders=True, dpi=110)
     return str(path)
+
+
+def roofline_chart_paths(path: Path, threads: list[int], first: bool = True) -> list[Path]:
+    """The PNGs roofline_charts writes for these thread counts, in order: per thread count the
+    bars (`path`, then `-2thr` and so on) and the step's parts (`-steps`)."""
+    out = []
+    for i, n in enumerate(threads):
+        suffix = "" if first and i == 0 else f"-{n}thr"
+        out += [path.with_name(path.stem + suffix + ".png"),
+                path.with_name(path.stem + suffix + "-steps.png")]
+    return out
 
 
 def roofline_charts(results: dict, path: Path, label: Callable[[str], str] = str) -> dict:
@@ -138,7 +149,6 @@ def roofline_charts(results: dict, path: Path, label: Callable[[str], str] = str
     parts (`-steps`); `label` shortens a KV spec for the ticks."""
     made = {}
     for i, run in enumerate(results["runs"]):
-        suffix = "" if i == 0 else f"-{run['threads']}thr"
         shapes = list(dict.fromkeys((r["batch"], r["context"]) for r in run["decode"]))
         groups = [f"{b} x {c}" for b, c in shapes]
         names = list(dict.fromkeys((r["engine"], r["kv"]) for r in run["decode"]))
@@ -150,12 +160,12 @@ def roofline_charts(results: dict, path: Path, label: Callable[[str], str] = str
                            [r and r["tok_s"] for r in rs], [r and r["roofline_tok_s"] for r in rs]))
         title = (f"decode tok/s (all sequences), {run['threads']} thread(s); read bandwidth "
                  f"{run['bandwidth']['gb_s']:.1f} GB/s")
-        png = grouped_bars(path.with_name(path.stem + suffix + ".png"), groups, series,
-                           "decode tokens/s", title)
+        png_path, steps_path = roofline_chart_paths(path, [run["threads"]], first=i == 0)
+        png = grouped_bars(png_path, groups, series, "decode tokens/s", title)
         stacks = [[(label(r["kv"]), r["parts_ms"]) for r in run["decode"]
                    if (r["batch"], r["context"]) == shape and "parts_ms" in r] for shape in shapes]
-        steps = stacked_bars(path.with_name(path.stem + suffix + "-steps.png"), groups, stacks,
-                             "ms per decode step", f"where a tinykv decode step goes, "
+        steps = stacked_bars(steps_path, groups, stacks, "ms per decode step",
+                             "where a tinykv decode step goes, "
                              f"{run['threads']} thread(s)")
         made[f"{run['threads']} threads"] = [png, steps]
     return made

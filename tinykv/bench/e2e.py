@@ -31,6 +31,8 @@ from .. import evaluate
 from ..cache import hot_blocks, make_cache
 from ..generate import Engine, Sampling
 from ..model import Config, Transformer
+from ..outputs import write_text
+from ..plots import save_figure
 from ..quant import bytes_per_token
 from ..spec import KVSpec
 from .charts import grouped_bars
@@ -346,8 +348,7 @@ def charts(res: dict, out_dir: Path) -> dict:
     def save(fig, ax, key: str) -> str:
         ax.grid(alpha=0.3)
         fig.tight_layout()
-        fig.savefig(out_dir / f"{key}.png", dpi=100)
-        plt.close(fig)
+        save_figure(fig, out_dir / f"{key}.png", make_folders=True)
         return str(out_dir / f"{key}.png")
 
     lengths = res["config"]["lengths"]
@@ -425,9 +426,8 @@ def run(model: Transformer, weights: Path, text: str, text_name: str, quick: boo
     res.update(collect(model, hf, ids, mode, specs, batch_kv, hf_quant, tick))
     bar.close()
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     res["charts"] = charts(res, out.parent)
-    out.write_text(json.dumps(res, indent=1))
+    write_text(out, json.dumps(res, indent=1), make_folders=True)
     print("\n".join(tables(res)))
     charts_made = "".join(f", {v}" for k, v in res["charts"].items() if k != "note")
     print(f"[tinykv] results in {out}{charts_made}")

@@ -33,6 +33,7 @@ from ..kernels.layout import PoolLayer
 from ..kernels.reference import paged_attention_ref
 from ..kernels.triton import triton
 from ..kernels.triton_aot import Variant
+from ..outputs import write_text
 from ..quant import bytes_per_token, compute_scales, quantize
 from ..spec import KVSpec, QuantParams
 
@@ -140,7 +141,7 @@ def bench_kernel(specs: list[str], block_size: int = 16, reps: int | None = None
     for model, (Hq, H, D) in SHAPES.items():
         for spec_s in specs:
             spec = KVSpec.parse(spec_s)
-            nb = max(batches) * max(contexts) // BS
+            nb = max(batches) * -(-max(contexts) // BS)  # whole blocks: a block may pass ctx
             k = _pool(spec.k, nb, H, BS, D, dev, gen)
             v = _pool(spec.v, nb, H, BS, D, dev, gen)
             per_tok = bytes_per_token(spec.k, H, D, BS) + bytes_per_token(spec.v, H, D, BS)
@@ -180,8 +181,7 @@ def bench_kernel(specs: list[str], block_size: int = 16, reps: int | None = None
     for n in notes:
         print(f"[bench kernel] {n}")
     if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(result, indent=1))
+        write_text(out, json.dumps(result, indent=1), make_folders=True)
         print(f"[bench kernel] saved {out}")
     return result
 
@@ -237,8 +237,7 @@ def aot_report(caps: tuple[int, ...] = (80, 90), variants: list[Variant] | None 
     rows = json.loads(proc.stdout.strip().splitlines()[-1])
     print_aot_report(rows)
     if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(rows, indent=1))
+        write_text(out, json.dumps(rows, indent=1), make_folders=True)
         print(f"[bench kernel] saved {out}")
     return rows
 

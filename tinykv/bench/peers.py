@@ -34,6 +34,7 @@ from .. import evaluate
 from ..cache import make_cache
 from ..generate import Engine, Sampling
 from ..model import Transformer
+from ..outputs import write_text
 
 HOW_TO_GET = "pip install -e '.[peers]'"
 # llama.cpp's cache types (ggml type ids) and the tinykv spec of about the same bits
@@ -420,11 +421,8 @@ def run(model: Transformer, weights: Path, text: str, contexts: list[int], specs
     res = {"command": command, "machine": machine_info(torch.device("cpu")),
            "weights": str(weights)}
     res.update(collect(model, Path(weights), ids, cfg, tick))
-    out.parent.mkdir(parents=True, exist_ok=True)
     res["chart"] = chart(res, out.with_suffix(".png"))
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps(res, indent=1))
-    tmp.replace(out)
+    write_text(out, json.dumps(res, indent=1), make_folders=True)
     print(render(res))
     print(f"[tinykv] results in {out}" + (f", {res['chart']}" if res["chart"] else ""))
     return res

@@ -16,6 +16,7 @@ import torch
 from ..cache import make_cache
 from ..evaluate import perplexity
 from ..model import Transformer
+from ..outputs import write_text
 from ..passkey import run_passkey
 from ..pools import block_bytes
 from ..spec import KVSpec
@@ -94,8 +95,6 @@ def run(model: Transformer, path: Path, specs: list[KVSpec], tokens: list[int] |
               "ppl_tokens": len(tokens) if tokens else 0, "passkey_lengths": lengths,
               "passkey_depths": depths, "passkey_trials": trials,
               "rows": [asdict(r) for r in rows]}
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1) + "\n")
+    write_text(out, json.dumps(report, indent=1) + "\n", make_folders=True)
     print(table(rows))
     return rows

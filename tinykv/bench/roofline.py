@@ -33,6 +33,7 @@ import torch
 from .. import gemv
 from ..cache import PagedKVCache, make_cache
 from ..model import Config, Linear, Transformer
+from ..outputs import write_text
 from ..pools import KVPools
 from ..spec import KVSpec
 from .charts import roofline_charts
@@ -413,12 +414,9 @@ def run(model: Transformer, weights: Path | None, quick: bool = False,
     finally:
         set_threads(before)
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     res["charts"] = roofline_charts(res, out.with_suffix(".png"),
                                     lambda kv: "KIVI" if kv == KIVI else kv)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps(res, indent=1))
-    tmp.replace(out)
+    write_text(out, json.dumps(res, indent=1), make_folders=True)
     print(render(res))
     pngs = [p for made in res["charts"].values() for p in made if p]
     print(f"[tinykv] results in {out}" + "".join(f", {p}" for p in pngs))
