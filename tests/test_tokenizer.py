@@ -114,3 +114,13 @@ def test_stream_decoder_reassembles_multibyte(tk, smollm2_goldens):
 def test_missing_tokenizer_is_a_clear_error(tmp_path):
     with pytest.raises(TokenizerError, match="no tokenizer.json"):
         Tokenizer.from_dir(tmp_path)
+
+
+@pytest.mark.parametrize("text", ["a \ud800 b", "caf\udce9"])
+def test_text_with_a_lone_surrogate_is_a_clear_error(tk, text):
+    """A JSON escape of half a surrogate pair, or a byte of another encoding that Python kept
+    as a surrogate, is no text: a one-line TokenizerError, not the tokenizers library's
+    TypeError."""
+    with pytest.raises(TokenizerError, match="lone surrogate") as e:
+        tk.encode(text)
+    assert "\n" not in str(e.value)

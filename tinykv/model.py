@@ -12,18 +12,19 @@ attends (`KVStep` below: the whole contract between the model and any cache).
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from safetensors import SafetensorError
 from safetensors.torch import load_file
+
+from .modelfiles import Fields
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2")
 GPT2_FAMILY = ("gpt2", "gpt_bigcode")
@@ -86,53 +87,61 @@ class Config:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ModelError(f"config: {name} = {value!r} must be a positive integer")
         if self.n_heads % self.n_kv_heads:
-            raise ModelError(f"n_heads={self.n_heads} is not a multiple of "
-                             f"n_kv_heads={self.n_kv_heads}")
+            raise ModelError(f"{self.n_heads} heads do not share {self.n_kv_heads} KV heads evenly")
         self.n_rep = self.n_heads // self.n_kv_heads
         self.gpt2_style = self.model_type in GPT2_FAMILY
 
     @classmethod
-    def from_hf(cls, d: dict[str, Any]) -> Config:
-        """Map a Hugging Face config.json onto Config: the one place HF field names appear."""
-        mt = d.get("model_type", "")
-        eos = d.get("eos_token_id")
-        eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+    def from_hf(cls, f: Fields) -> Config:
+        """Map a Hugging Face config.json's fields (type-checked as read) onto Config: the one
+        place HF field names appear."""
+        mt, eos, bos = f.str("model_type", ""), f.ids("eos_token_id"), f.int("bos_token_id", None)
         if mt in GPT2_FAMILY:
-            dim, n_heads = d["n_embd"], d["n_head"]
-            act = d.get("activation_function", "gelu_new")
+            dim, n_heads = f.int("n_embd"), f.int("n_head")
+            act = f.str("activation_function", "gelu_new")
             if act not in ("gelu_new", "gelu_pytorch_tanh", "gelu"):
                 raise ModelError(f"unsupported activation '{act}'")
-            if d.get("scale_attn_by_inverse_layer_idx") or d.get("scale_attn_weights") is False:
+            if f.bool("scale_attn_by_inverse_layer_idx", False) or \
+                    not f.bool("scale_attn_weights", True):
                 raise ModelError("unsupported attention scaling in config.json")
-            return cls(model_type=mt, vocab_size=d["vocab_size"], dim=dim, n_layers=d["n_layer"],
-                       n_heads=n_heads, n_kv_heads=1 if d.get("multi_query") else n_heads,
-                       ffn_dim=d.get("n_inner") or 4 * dim,
-                       norm_eps=d.get("layer_norm_epsilon", 1e-5),
-                       max_seq_len=d.get("n_positions", 1024), tie_embeddings=True, qkv_bias=True,
-                       o_bias=True, mlp_bias=True, gelu_tanh=act != "gelu",
-                       bos_token_id=d.get("bos_token_id"), eos_token_id=eos)
+            return cls(model_type=mt, vocab_size=f.int("vocab_size"), dim=dim,
+                       n_layers=f.int("n_layer"), n_heads=n_heads,
+                       n_kv_heads=1 if f.bool("multi_query", False) else n_heads,
+                       ffn_dim=f.int("n_inner", 4 * dim), max_seq_len=f.int("n_positions", 1024),
+                       norm_eps=f.float("layer_norm_epsilon", 1e-5, positive=True),
+                       tie_embeddings=True, qkv_bias=True, o_bias=True, mlp_bias=True,
+                       gelu_tanh=act != "gelu", bos_token_id=bos, eos_token_id=eos)
         if mt not in LLAMA_FAMILY:
             raise ModelError(f"unsupported architecture '{mt or '?'}' "
                              f"(supported: {', '.join(LLAMA_FAMILY + GPT2_FAMILY)})")
-        if d.get("hidden_act", "silu") != "silu":
-            raise ModelError(f"unsupported activation '{d['hidden_act']}'")
-        rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
-        theta = d.get("rope_theta", rope.get("rope_theta", 10000.0))
-        rtype = rope.get("rope_type", rope.get("type", "default"))
+        if f.str("hidden_act", "silu") != "silu":
+            raise ModelError(f"unsupported activation '{f.str('hidden_act')}'")
+        rope = f.section("rope_parameters") or f.section("rope_scaling") or Fields("", {})
+        rtype = rope.str("rope_type", rope.str("type", "default"))
         if rtype not in ("default", "llama3"):
             raise ModelError(f"unsupported rope_scaling type '{rtype}'")
-        attn_bias = d.get("attention_bias", False)
-        return cls(model_type=mt, vocab_size=d["vocab_size"], dim=d["hidden_size"],
-                   n_layers=d["num_hidden_layers"], n_heads=d["num_attention_heads"],
-                   n_kv_heads=d.get("num_key_value_heads") or d["num_attention_heads"],
-                   head_dim=d.get("head_dim") or 0, ffn_dim=d["intermediate_size"],
-                   norm_eps=d.get("rms_norm_eps", 1e-6), rope_theta=theta,
-                   rope_scaling=rope if rtype == "llama3" else None,
-                   max_seq_len=d.get("max_position_embeddings", 2048),
-                   tie_embeddings=d.get("tie_word_embeddings", False),
+        attn_bias, n_heads = f.bool("attention_bias", False), f.int("num_attention_heads")
+        return cls(model_type=mt, vocab_size=f.int("vocab_size"), dim=f.int("hidden_size"),
+                   n_layers=f.int("num_hidden_layers"), n_heads=n_heads,
+                   n_kv_heads=f.int("num_key_value_heads", 0) or n_heads,
+                   head_dim=f.int("head_dim", 0, lo=1), ffn_dim=f.int("intermediate_size"),
+                   norm_eps=f.float("rms_norm_eps", 1e-6, positive=True),
+                   rope_theta=f.float("rope_theta", rope.float("rope_theta", 10000.0, True), True),
+                   rope_scaling=llama3_scaling(rope) if rtype == "llama3" else None,
+                   max_seq_len=f.int("max_position_embeddings", 2048),
+                   tie_embeddings=f.bool("tie_word_embeddings", False),
                    qkv_bias=attn_bias or mt == "qwen2", o_bias=attn_bias,
-                   mlp_bias=d.get("mlp_bias", False), bos_token_id=d.get("bos_token_id"),
-                   eos_token_id=eos)
+                   mlp_bias=f.bool("mlp_bias", False), bos_token_id=bos, eos_token_id=eos)
+
+
+def llama3_scaling(rope: Fields) -> dict[str, float]:
+    """llama3 RoPE scaling's four numbers, checked (rope_tables divides by the factors' gap)."""
+    low, high = rope.float("low_freq_factor", 1.0, True), rope.float("high_freq_factor", 4.0, True)
+    if high <= low:
+        raise ModelError(f"{rope.name}: high_freq_factor must exceed low_freq_factor")
+    return {"factor": rope.float("factor", positive=True), "low_freq_factor": low,
+            "high_freq_factor": high, "original_max_position_embeddings":
+            rope.int("original_max_position_embeddings", lo=1)}
 
 
 def rope_tables(cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,7 +152,7 @@ def rope_tables(cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
     if cfg.rope_scaling:
         # llama3: long wavelengths slowed by `factor`, short ones kept, smooth in between
         s = cfg.rope_scaling
-        factor, lo, hi = s["factor"], s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
+        factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
         old_len = s["original_max_position_embeddings"]
         wavelen = 2 * math.pi / inv_freq
         smooth = (old_len / wavelen - lo) / (hi - lo)
@@ -294,17 +303,10 @@ class Transformer(nn.Module):
         path = Path(path)
         if not path.is_dir():
             raise ModelError(f"weights directory not found: {path}")
-        if not (path / "config.json").is_file():
-            raise ModelError(f"no config.json in {path}")
         try:
-            raw = json.loads((path / "config.json").read_text())
-            if not isinstance(raw, dict):
-                raise ModelError(f"config.json in {path} is not a JSON object")
-            cfg = Config.from_hf(raw)
+            cfg = Config.from_hf(Fields.load(path / "config.json", required=True))
         except ModelError as e:
             raise ModelError(f"{path / 'config.json'}: {e}") from None
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-            raise ModelError(f"malformed config.json in {path}: {e!r}") from None
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
         hf = load_safetensors(path)

@@ -15,31 +15,11 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
+from .modelfiles import Fields
+
 
 class TokenizerError(ValueError):
     """A missing or unusable tokenizer file; the message is one line meant for the user."""
-
-
-def _read_json(path: Path) -> dict:
-    """A JSON file's contents, or {} when the file is absent (every one but tokenizer.json is
-    optional)."""
-    if not path.exists():
-        return {}
-    try:
-        obj = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise TokenizerError(f"malformed {path}: {e}") from None
-    if not isinstance(obj, dict):
-        raise TokenizerError(f"malformed {path}: not a JSON object")
-    return obj
-
-
-def _as_set(value: int | list[int] | None) -> set[int]:
-    """eos_token_id as a set: it may be absent, one id, or a list of ids."""
-    if value is None:
-        return set()
-    values = value if isinstance(value, list) else [value]
-    return {int(v) for v in values}
 
 
 def _tojson(x: object, indent: int | None = None) -> str:
@@ -70,17 +50,13 @@ class Tokenizer:
         except Exception as e:  # the tokenizers library raises a bare Exception for a bad file
             first = (str(e).strip().splitlines() or ["unreadable"])[0]
             raise TokenizerError(f"malformed {path / 'tokenizer.json'}: {first}") from None
-        tcfg = _read_json(path / "tokenizer_config.json")
-        names = {}  # bos_token / eos_token: a string, or an AddedToken-style dict
-        for key in ("bos_token", "eos_token"):
-            if value := tcfg.get(key):
-                names[key] = value["content"] if isinstance(value, dict) else value
-        eos = _as_set(_read_json(path / "config.json").get("eos_token_id"))
-        eos |= _as_set(_read_json(path / "generation_config.json").get("eos_token_id"))
-        eos |= _as_set(tok.token_to_id(names.get("eos_token", "")))
-        template = tcfg.get("chat_template")
-        if isinstance(template, list):  # several named templates: use the default one
-            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        tcfg = Fields.load(path / "tokenizer_config.json")
+        bos, eos_token = tcfg.token("bos_token"), tcfg.token("eos_token")
+        eos = set(Fields.load(path / "config.json").ids("eos_token_id"))
+        eos |= set(Fields.load(path / "generation_config.json").ids("eos_token_id"))
+        if eos_token and tok.token_to_id(eos_token) is not None:
+            eos.add(tok.token_to_id(eos_token))
+        template = tcfg.chat_template()
         # A chat turn ends with the terminator the template writes after each message (e.g.
         # <|im_end|>); a model that emits it is done even when the config names another eos token.
         for added in tok.get_added_tokens_decoder().values():
@@ -88,10 +64,14 @@ class Tokenizer:
             ends = "end" in name or "eot" in name
             if added.special and name in (template or "") and ends:
                 eos.add(tok.token_to_id(name))
-        return cls(tok, template, names.get("bos_token"), names.get("eos_token"),
-                   bool(tcfg.get("add_bos_token", False)), eos)
+        return cls(tok, template, bos, eos_token, tcfg.bool("add_bos_token", False), eos)
 
     def encode(self, text: str) -> list[int]:
+        try:  # a lone surrogate (a JSON "\ud800", a byte of another encoding) is no text
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise TokenizerError(f"the text holds U+{ord(text[e.start]):04X} at character "
+                                 f"{e.start}, a lone surrogate, not a character") from None
         # Special tokens written in the text (e.g. "<|im_start|>") become their single ids.
         ids = self.tok.encode(text, add_special_tokens=False).ids
         return [self.bos_id, *ids] if self.add_bos and self.bos_id is not None else ids
