@@ -23,7 +23,9 @@ from safetensors.torch import save_file
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN = str(ROOT / "run.py")
-TIMEOUT = 60  # seconds per case: a hang fails the case instead of stalling the suite
+# seconds per case: a hang fails the case instead of stalling the suite (generous: on a shared
+# 2-core machine a case that takes 5 s alone has taken over 60)
+TIMEOUT = 240
 CONTEXT = 512  # the tiny model's context
 NO_GPU = not torch.cuda.is_available()
 
@@ -144,13 +146,62 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     (root / "a_file").write_text("x")
     out["a_file"] = root / "a_file"
     out["missing"] = root / "missing"
+    odd_folders(root, out, cfg, good)
+    odd_files(root, out, model, spec, scales)
     return {name: str(p) for name, p in out.items()}
 
 
+CHAT = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+
+
+def odd_folders(root: Path, out: dict, cfg: dict, good: dict) -> None:
+    """Model folders whose JSON files hold a field of the wrong type (modelfiles.Fields), and
+    one with a chat template (for passkey)."""
+    odd = {"bos_dict": ("tokenizer_config.json", {"bos_token": {"lstrip": False}}),
+           "eos_int": ("tokenizer_config.json", {"eos_token": 2}),
+           "template_list": ("tokenizer_config.json", {"chat_template": [{"name": "default"}]}),
+           "template_int": ("tokenizer_config.json", {"chat_template": 7}),
+           "eos_null": ("config.json", {**cfg, "eos_token_id": [None]}),
+           "eps_string": ("config.json", {**cfg, "rms_norm_eps": "1e-5"}),
+           "chat": ("tokenizer_config.json", {"chat_template": CHAT})}
+    for name, (file, fields) in odd.items():
+        d = write_model(root / name, cfg, good)
+        (d / file).write_text(json.dumps(fields))
+        out[name] = d
+
+
+def odd_files(root: Path, out: dict, model, spec, scales: dict) -> None:
+    """Files for the output-safety and input-encoding cases."""
+    from tinykv.calibrate import save_scales
+    from tinykv.scalefile import FORMAT, fingerprint
+
+    big = {name: s * 1000 for name, s in scales.items()}  # valid, but nothing uses its range
+    out["big_scales"] = root / "big_scales.safetensors"
+    save_scales(out["big_scales"], big, model.cfg, spec, "minmax", 300)
+    out["no_spec_scales"] = root / "no_spec.safetensors"
+    save_file(scales, str(out["no_spec_scales"]), metadata={"format": FORMAT,
+                                                            **fingerprint(model.cfg)})
+    (root / "user").mkdir()
+    (root / "user" / "notes.txt").write_text("my notes")
+    out["user_dir"], out["a_dir"] = root / "user", root / "user"
+    for name, body in (("empty_json", "{}"), ("list_json", "[1, 2]")):
+        (root / f"{name}.json").write_text(body)
+        out[name] = root / f"{name}.json"
+    (root / "surrogate.jsonl").write_text('{"prompt": "w1 \\ud800 w2"}\n')
+    (root / "bom.jsonl").write_bytes(b'\xef\xbb\xbf{"prompt": "w1 w2"}\n{"prompt": "w3"}\n')
+    (root / "separators.txt").write_text("w1 w2\u2028w3\nw4\x0cw5\r\nw6\n")
+    for name in ("surrogate.jsonl", "bom.jsonl", "separators.txt"):
+        out[name.replace(".", "_")] = root / name
+    out["long_prompt"] = root / "long_prompt.txt"
+    out["long_prompt"].write_text(words(100))
+
+
 # ---- running the CLI -----------------------------------------------------------------------------
-def child_env(tmp: Path) -> dict[str, str]:
-    """The CLI's environment: its temporary files go to `tmp`, so they can be looked for."""
-    return {**os.environ, "TMPDIR": str(tmp), "PYTHONPATH": str(ROOT)}
+def child_env(tmp: Path, **extra: str) -> dict[str, str]:
+    """The CLI's environment: its temporary files go to `tmp`, so they can be looked for; Triton's
+    interpreter (which conftest turns on for the tests without a GPU) only when asked for."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return {**env, "TMPDIR": str(tmp), "PYTHONPATH": str(ROOT), **extra}
 
 
 def tree(path: Path) -> list[str]:
@@ -180,8 +231,9 @@ def command(args: list[str]) -> list[str]:
     return [sys.executable, "-m", "tinykv", *args]
 
 
-def run_cli(args: list[str], work: Path, timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
-    return subprocess.run(command(args), cwd=work, env=child_env(work / "tmp"), text=True,
+def run_cli(args: list[str], work: Path, timeout: float = TIMEOUT,
+            **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(command(args), cwd=work, env=child_env(work / "tmp", **env), text=True,
                           capture_output=True, timeout=timeout)
 
 
@@ -199,6 +251,7 @@ def check_one_line(err: str, kind: str, needle: str, clean: bool) -> None:
     assert needle in lines[0], err
     if kind == "error":
         assert not [ln for ln in err.splitlines() if ln.startswith("warning:")], err
+        assert err.splitlines()[-1] == lines[0], err  # a line of its own, last (after any bar)
     if clean:
         rest = [ln for ln in err.splitlines() if not noise(ln)]
         assert rest == lines, err
@@ -244,6 +297,17 @@ PARSE_ERRORS = [
     ("kv-unknown-dtype", ["run.py", "w1", "--kv", "int9"], "int9"),
     ("kv-bad-option", ["run.py", "w1", "--kv", "int8,residual=x"], "residual"),
     ("kv-with-space", ["run.py", "w1", "--kv", "int8, int4"], "--kv"),
+    # a flag the run would ignore
+    ("bench-flag-before-subcommand", ["bench", "--quick", "kernel"], "ignores"),
+    ("bench-out-before-subcommand", ["bench", "--out", "{out}", "quality"], "ignores"),
+    ("passkey-window", ["eval", "--task", "passkey", "--window", "64"], "--task passkey"),
+    ("passkey-attn-error", ["eval", "--task", "passkey", "--attn-error"], "--task passkey"),
+    ("passkey-chunk", ["eval", "--task", "passkey", "--chunk", "4"], "--task passkey"),
+    ("ppl-lengths", ["eval", "--text", "{text}", "--lengths", "100"], "--task passkey"),
+    ("stage-blocks-alone", ["run.py", "w1", "--stage-blocks", "4"], "--host-blocks"),
+    ("kernel-aot-and-kv", ["bench", "kernel", "--aot", "--kv", "int4"], "--aot"),
+    ("quality-no-ppl-text", ["bench", "quality", "--no-ppl", "--text", "{text}"], "--no-ppl"),
+    ("readme-and-quick", ["bench", "--readme", "{empty_json}", "--quick"], "--readme"),
 ]
 
 # Found before the model loads (every case names --weights, so none could fetch).
@@ -289,6 +353,33 @@ EARLY_ERRORS = [
                                "--no-passkey"], "nothing to measure"),
     ("bench-quality-filler", ["bench", "quality", "--weights", "{tiny}", "--filler",
                               "{missing}"], "not found"),
+    # outputs: never an input, another output, a folder or a device; checked before the run
+    ("calibrate-out-is-text", ["calibrate", "--weights", "{tiny}", "--text", "{text}", "--kv",
+                               "int8:tensor:static", "--out", "{text}"], "is the input --text"),
+    ("calibrate-out-is-vllm-out", ["calibrate", "--weights", "{tiny}", "--text", "{text}",
+                                   "--kv", "int8:tensor:static", "--out", "{out}", "--vllm-out",
+                                   "{out}"], "is also --out"),
+    ("calibrate-plot-txt", ["calibrate", "--weights", "{tiny}", "--text", "{text}", "--kv",
+                            "int8:tensor:static", "--out", "{out}", "--plot", "{out}.txt"],
+     "not 'txt'"),
+    ("calibrate-out-in-model", ["calibrate", "--weights", "{tiny}", "--text", "{text}", "--kv",
+                                "int8:tensor:static", "--out", "{tiny}/config.json"],
+     "--weights folder"),
+    ("eval-plot-txt", ["eval", "--weights", "{tiny}", "--text", "{text}", "--plot", "{out}.txt"],
+     "not 'txt'"),
+    ("roofline-out-folder", ["bench", "roofline", "--quick", "--weights", "{tiny}", "--out",
+                             "{a_dir}"], "is a folder"),
+    ("roofline-out-dev-null", ["bench", "roofline", "--quick", "--weights", "{tiny}", "--out",
+                               "/dev/null"], "not a regular file"),
+    ("fetch-dest-user-files", ["fetch", "--dest", "{user_dir}"], "did not write"),
+    ("readme-empty-object", ["bench", "--readme", "{empty_json}"], "not a results file"),
+    ("readme-list", ["bench", "--readme", "{list_json}"], "not a results file"),
+    ("kernel-group-48", ["bench", "kernel", "--quick", "--kv", "int4:g48", "--out", "{out}"],
+     "group size 48"),
+    # text a tokenizer cannot take
+    ("argv-latin1-byte", ["run.py", "w1 caf\udce9", "--weights", "{tiny}"], "byte 0xe9"),
+    ("jsonl-lone-surrogate", ["run.py", "--batch", "{surrogate_jsonl}", "--weights", "{tiny}"],
+     "lone surrogate"),
 ]
 if NO_GPU:
     EARLY_ERRORS += [
@@ -323,6 +414,24 @@ MODEL_ERRORS = [
                                   "--window", "1000"], "context"),
     ("bench-quality-length", ["bench", "quality", "--weights", "{tiny}", "--no-ppl",
                               "--lengths", "100000", "--out", "{out}"], "context"),
+    # model folders with a field of the wrong type: the file and the field, in one line
+    ("bos-token-dict", ["run.py", "w1", "--weights", "{bos_dict}"], "'bos_token'"),
+    ("eos-token-int", ["run.py", "w1", "--weights", "{eos_int}"], "'eos_token'"),
+    ("template-list", ["run.py", "w1", "--weights", "{template_list}", "--chat"],
+     "'chat_template'"),
+    ("template-int", ["run.py", "w1", "--weights", "{template_int}"], "'chat_template'"),
+    ("eos-id-null", ["run.py", "w1", "--weights", "{eos_null}"], "'eos_token_id'"),
+    ("eps-string", ["run.py", "w1", "--weights", "{eps_string}"], "'rms_norm_eps'"),
+    ("scales-no-spec", ["run.py", "w1", "--weights", "{tiny}", "--kv", "int8:tensor:static",
+                        "--kv-scales", "{no_spec_scales}"], "no valid KV spec"),
+    # what does not fit is refused before the run, the same rule for every command
+    ("eval-window-over-pool", ["eval", "--weights", "{tiny}", "--text", "{text}",
+                               "--device-blocks", "1", "--window", "64"], "--window 64"),
+    ("passkey-kv-memory-1K", ["eval", "--task", "passkey", "--weights", "{chat}", "--lengths",
+                              "64", "--depths", "1", "--kv-memory", "1K"], "holds no block"),
+    ("evict-budget-over-device", ["run.py", "--prompt-file", "{long_prompt}", "--weights",
+                                  "{tiny}", "--kv", "int8,evict=h2o:100", "--device-blocks", "2",
+                                  "--host-blocks", "16", *GEN], "evict=h2o:100"),
 ]
 # The model's zero heads: torch warns about zero-element tensors on stderr before the error,
 # until model.Config refuses the config itself.
@@ -339,6 +448,13 @@ WARNINGS = [
      "clipped"),
     ("calibrate-17-tokens", ["calibrate", "--weights", "{tiny}", "--text", "{short_text}",
                              "--kv", "int8:tensor:static", "--out", "{out}"], "17 tokens"),
+    ("scales-1000x-too-large", ["run.py", "w1 w2 w3 w4", "--weights", "{tiny}", "--kv",
+                                "k=int8:tensor:static,v=fp32", "--kv-scales", "{big_scales}",
+                                *GEN], "far too large"),
+    ("eval-scales-1000x-too-large", ["eval", "--weights", "{tiny}", "--kv",
+                                     "k=fp32,v=int8:tensor:static", "--kv-scales",
+                                     "{big_scales}", "--text", "{text}", "--window", "64"],
+     "far too large"),
 ]
 
 TABLE = ([(c, a, "error", n) for c, a, n in PARSE_ERRORS + EARLY_ERRORS + MODEL_ERRORS]
@@ -453,6 +569,100 @@ def test_disk_tier_leaves_nothing(files: dict[str, str], tmp_path: Path) -> None
     out = generate_json(["w1 w2", "--kv-memory", "1K", "--block-size", "1", *offload], files, work)
     assert out["stats"]["offload"]
     assert tree(work) == before
+
+
+def test_refused_outputs_leave_the_users_files(files: dict[str, str], tmp_path: Path) -> None:
+    """calibrate --out TEXT and fetch --dest FOLDER-OF-MINE are refused before anything is
+    written: the text and the folder's files are as they were."""
+    work, _ = prepare(tmp_path)
+    text = work / "mine.txt"
+    text.write_text(words(300))
+    r = run_cli(["calibrate", "--weights", files["tiny"], "--text", str(text), "--kv",
+                 "int8:tensor:static", "--out", str(text)], work)
+    assert r.returncode == 1 and text.read_text() == words(300), r.stderr
+    mine = work / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("my notes")
+    r = run_cli(["fetch", "--dest", str(mine)], work)
+    assert r.returncode == 1 and tree(mine) == ["notes.txt"], r.stderr
+    assert (mine / "notes.txt").read_text() == "my notes"
+
+
+def test_calibrate_writes_every_output_whole(files: dict[str, str], tmp_path: Path) -> None:
+    """Scales, the vLLM export (and the scheme beside it) and the chart, replacing an old file
+    in place, with no temporary file left."""
+    pytest.importorskip("matplotlib")
+    work, _ = prepare(tmp_path)
+    (work / "s.safetensors").write_text("an old scale file")
+    r = run_cli(fill(["calibrate", "--weights", "{tiny}", "--text", "{text}", "--kv",
+                      "int8:tensor:static", "--out", "s.safetensors", "--vllm-out",
+                      "v.safetensors", "--plot", "c.png"], files, work), work)
+    assert r.returncode == 0, r.stderr
+    assert tree(work) == ["c.png", "s.safetensors", "tmp", "v.kv_cache_scheme.json",
+                          "v.safetensors"]
+    assert (work / "s.safetensors").read_bytes()[:8] != b"an old s"
+
+
+def test_tiny_temperature_samples(files: dict[str, str], tmp_path: Path) -> None:
+    work, _ = prepare(tmp_path)
+    out = generate_json(["w1 w2", "--temperature", "1e-300"], files, work)
+    assert len(out["new_ids"]) == 4
+
+
+def test_snapkv_with_offload(files: dict[str, str], tmp_path: Path) -> None:
+    """The README's offload example with eviction: a prompt longer than the device pool, whose
+    blocks snapkv reads where they were offloaded."""
+    work, _ = prepare(tmp_path)
+    out = generate_json(["--prompt-file", "{long_prompt}", "--kv", "int8,sink=4,evict=snapkv:20",
+                         "--device-blocks", "2", "--host-blocks", "16"], files, work)
+    assert out["stats"]["offload"]["blocks_device_to_host"] > 0 and len(out["new_ids"]) == 4
+
+
+def test_pool_is_sized_for_what_runs_at_once(files: dict[str, str], tmp_path: Path) -> None:
+    """64 prompts, 2 at a time: the pool holds 2 sequences (make_cache's minimum of 8 blocks),
+    not all 64, so a batch of 200,000 prompts is not refused for its total."""
+    work, _ = prepare(tmp_path)
+    (work / "many.txt").write_text("w1 w2\n" * 64)
+    out = generate_json(["--batch", str(work / "many.txt"), "--max-batch", "2"], files, work)
+    assert len(out["results"]) == 64 and out["stats"]["blocks_total"] == 8
+
+
+def test_batch_shows_progress(files: dict[str, str], tmp_path: Path) -> None:
+    work, _ = prepare(tmp_path)
+    r = run_cli(fill(["run.py", "--batch", "{lines_txt}", "--weights", "{tiny}", *GEN], files,
+                     work), work)
+    assert r.returncode == 0 and "generate: 100%" in r.stderr and "3/3" in r.stderr, r.stderr
+
+
+def test_batch_files_split_on_newlines_only(files: dict[str, str], tmp_path: Path) -> None:
+    """A byte order mark is no part of the first line; U+2028 and a form feed are inside a line;
+    a CRLF line ends at its \\n."""
+    work, _ = prepare(tmp_path)
+    out = generate_json(["--batch", "{bom_jsonl}"], files, work)
+    assert [r["prompt_ids"] for r in out["results"]] == [[1, 2], [3]]
+    out = generate_json(["--batch", "{separators_txt}"], files, work)
+    assert [r["prompt_ids"] for r in out["results"]] == [[1, 2, 3], [4, 5], [6]]
+
+
+@pytest.mark.parametrize("name", ["-", "/dev/stdin"])
+def test_prompt_from_stdin(files: dict[str, str], tmp_path: Path, name: str) -> None:
+    work, _ = prepare(tmp_path)
+    args = ["run.py", "--prompt-file", name, "--weights", files["tiny"], "--json", *GEN]
+    r = subprocess.run(command(args), cwd=work, env=child_env(work / "tmp"), text=True,
+                       capture_output=True, timeout=TIMEOUT, input="w1 w2 w3\n")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["prompt_ids"] == [1, 2, 3]
+
+
+@pytest.mark.skipif(not NO_GPU, reason="with a GPU, --attention triton runs compiled")
+def test_triton_interpreter_on_the_cpu(files: dict[str, str], tmp_path: Path) -> None:
+    """TRITON_INTERPRET=1: the Triton kernels decode on the CPU, through Triton's interpreter."""
+    pytest.importorskip("triton")
+    work, _ = prepare(tmp_path)
+    r = run_cli(fill(["run.py", "w1 w2", "--weights", "{tiny}", "--attention", "triton",
+                      "--json", *GEN], files, work), work, TRITON_INTERPRET="1")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["stats"]["attention"] == "triton"
 
 
 def test_help_describes_and_shows_defaults(tmp_path: Path) -> None:

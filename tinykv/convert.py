@@ -56,7 +56,7 @@ def _hf_name(gguf_name: str) -> str:
     if stem in _TOP_NAMES:
         return f"{_TOP_NAMES[stem]}.{suffix}"
     raise ConvertError(f"unsupported tensor {gguf_name!r} in GGUF "
-                     "(only plain llama layouts convert)")
+                       "(only plain llama layouts convert)")
 
 
 def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -81,7 +81,7 @@ def _build_tokenizer(reader: GGUFReader) -> HFTokenizer:
     """A byte-level BPE `tokenizers.Tokenizer` from the vocabulary and merges stored in the GGUF."""
     if _field(reader, "tokenizer.ggml.model") != "gpt2":
         raise ConvertError(f"unsupported GGUF tokenizer {_field(reader, 'tokenizer.ggml.model')!r} "
-                         "(only byte-level BPE, 'gpt2', converts)")
+                           "(only byte-level BPE, 'gpt2', converts)")
     pre = _field(reader, "tokenizer.ggml.pre", "default")
     known = _DIGIT_SPLIT + _GPT2_SPLIT
     if pre not in known:
@@ -117,12 +117,12 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     arch = _field(reader, "general.architecture")
     if arch != "llama":
         raise ConvertError(f"unsupported GGUF architecture {arch!r} in {gguf_path.name} "
-                         "(only llama converts)")
+                           "(only llama converts)")
     scaling = _field(reader, f"{arch}.rope.scaling.type", "none")
     has_freqs = any(t.name == "rope_freqs.weight" for t in reader.tensors)
     if scaling not in ("none", "") or has_freqs:
         raise ConvertError(f"{gguf_path.name} uses RoPE scaling, which this converter does not "
-                         "handle")
+                           "handle")
 
     def hp(key: str, default=None):
         value = _field(reader, f"{arch}.{key}", default)
@@ -130,14 +130,27 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
             raise ConvertError(f"{gguf_path.name} lacks metadata key {arch}.{key}")
         return value
 
-    n_heads, hidden = hp("attention.head_count"), hp("embedding_length")
-    n_kv_heads = hp("attention.head_count_kv", n_heads)
-    tokens = _field(reader, "tokenizer.ggml.tokens") or []
     # Built before the slow part, so that an unsupported vocabulary fails fast.
     tokenizer = _build_tokenizer(reader)
+    n_heads = hp("attention.head_count")
+    state = _dequantized(reader, gguf_path.name, n_heads, hp("attention.head_count_kv", n_heads))
+    config = _model_config(reader, hp, state)
+    tok_config, gen_config = _tokenizer_configs(reader, config)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(out_dir / "tokenizer.json"))
+    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    for name, obj in (("config.json", config), ("tokenizer_config.json", tok_config),
+                      ("generation_config.json", gen_config)):
+        text = json.dumps(obj, indent=2, ensure_ascii=False) + "\n"
+        (out_dir / name).write_text(text, encoding="utf-8")
+    return out_dir
 
+
+def _dequantized(reader: GGUFReader, name: str, n_heads: int,
+                 n_kv_heads: int) -> dict[str, torch.Tensor]:
+    """Every tensor in float32 under its Hugging Face name, q and k rows in HF's RoPE layout."""
     state: dict[str, torch.Tensor] = {}
-    for t in tqdm(reader.tensors, desc=f"dequantizing {gguf_path.name}", unit="tensor"):
+    for t in tqdm(reader.tensors, desc=f"dequantizing {name}", unit="tensor"):
         # GGUF lists dims fastest-first; numpy/torch want them slowest-first.
         w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))
         w = w.reshape([int(d) for d in reversed(t.shape)])
@@ -146,25 +159,36 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
         elif ".attn_k." in t.name:
             w = _unpermute(w, n_kv_heads)
         state[_hf_name(t.name)] = w.contiguous()
-    tied = "lm_head.weight" not in state
+    return state
 
-    def token_id(key: str):
-        return _field(reader, f"tokenizer.ggml.{key}")
 
-    config = {
+def _model_config(reader: GGUFReader, hp, state: dict[str, torch.Tensor]) -> dict:
+    """config.json from the GGUF's hyperparameters (hp reads the architecture's, checked)."""
+    n_heads, hidden = hp("attention.head_count"), hp("embedding_length")
+    vocab = len(state["model.embed_tokens.weight"])
+    return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "hidden_size": hidden, "intermediate_size": hp("feed_forward_length"),
         "num_hidden_layers": hp("block_count"), "num_attention_heads": n_heads,
-        "num_key_value_heads": n_kv_heads,
-        "head_dim": _field(reader, f"{arch}.attention.key_length", hidden // n_heads),
+        "num_key_value_heads": hp("attention.head_count_kv", n_heads),
+        "head_dim": hp("attention.key_length", hidden // n_heads),
         "rms_norm_eps": hp("attention.layer_norm_rms_epsilon"),
         "rope_theta": hp("rope.freq_base", 10000.0),
-        "max_position_embeddings": hp("context_length"),
-        "vocab_size": _field(reader, f"{arch}.vocab_size", len(state["model.embed_tokens.weight"])),
-        "tie_word_embeddings": tied, "bos_token_id": token_id("bos_token_id"),
-        "eos_token_id": token_id("eos_token_id"), "pad_token_id": token_id("padding_token_id"),
+        "max_position_embeddings": hp("context_length"), "vocab_size": hp("vocab_size", vocab),
+        "tie_word_embeddings": "lm_head.weight" not in state,
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        "pad_token_id": _field(reader, "tokenizer.ggml.padding_token_id"),
         "torch_dtype": "float32", "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
     }
+
+
+def _tokenizer_configs(reader: GGUFReader, config: dict) -> tuple[dict, dict]:
+    """tokenizer_config.json and generation_config.json from the GGUF's tokenizer metadata."""
+    tokens = _field(reader, "tokenizer.ggml.tokens") or []
+
+    def token_id(key: str):
+        return _field(reader, f"tokenizer.ggml.{key}")
 
     def name_of(key: str):
         i = token_id(key)
@@ -185,12 +209,4 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     eos_ids = sorted(set(eos)) if len(set(eos)) > 1 else config["eos_token_id"]
     gen_config = {"bos_token_id": config["bos_token_id"], "pad_token_id": config["pad_token_id"],
                   "eos_token_id": eos_ids}
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer.save(str(out_dir / "tokenizer.json"))
-    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    for name, obj in (("config.json", config), ("tokenizer_config.json", tok_config),
-                      ("generation_config.json", gen_config)):
-        text = json.dumps(obj, indent=2, ensure_ascii=False) + "\n"
-        (out_dir / name).write_text(text, encoding="utf-8")
-    return out_dir
+    return tok_config, gen_config

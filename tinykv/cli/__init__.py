@@ -15,8 +15,9 @@ from contextlib import contextmanager
 # threads of one pool starve the other's (measured: 2-thread kernel calls 4-18x slower).
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 
+from .flags import ArgError, resolve_specs  # noqa: E402
 from .inputs import INTERRUPTED, TERMINATED, Terminated, check_early  # noqa: E402
-from .parser import ArgError, build_parser, resolve_specs  # noqa: E402
+from .parser import build_parser  # noqa: E402
 
 
 def is_user_error(e: BaseException) -> bool:
@@ -114,9 +115,11 @@ def main(argv: list[str] | None = None, generate_prog: str | None = None) -> int
             resolve_specs(args)
             run(args)
     except KeyboardInterrupt:
+        close_progress_bars()
         print("error: interrupted", file=sys.stderr)
         return 130
     except Terminated:
+        close_progress_bars()
         print("error: terminated", file=sys.stderr)
         return 143
     except ArgError as e:
@@ -126,6 +129,15 @@ def main(argv: list[str] | None = None, generate_prog: str | None = None) -> int
         if not is_user_error(e):
             raise
         lines = str(e).strip().splitlines()
+        close_progress_bars()
         print(f"error: {lines[0] if lines else type(e).__name__}", file=sys.stderr)
         return 1
     return 0
+
+
+def close_progress_bars() -> None:
+    """End the line of a progress bar an error cut short, so that the error line is a line of
+    its own (and the last one)."""
+    tqdm = sys.modules.get("tqdm")
+    for bar in list(getattr(getattr(tqdm, "tqdm", None), "_instances", ())):
+        bar.close()

