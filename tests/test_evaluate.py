@@ -61,7 +61,8 @@ def ppl(m, toks, spec: str, window=128, chunk=32, **kw) -> float:
     return perplexity(m, cache, toks, window, chunk).ppl
 
 
-@pytest.mark.parametrize("window,chunk,block_size", [(128, 32, 16), (100, 7, 16), (256, 256, 8)])
+@pytest.mark.parametrize("window,chunk,block_size", [(128, 32, 16), (100, 7, 16), (256, 256, 8),
+                                                    (48, 1, 16)])  # chunk 1: exact decode
 def test_fp32_equals_no_cache(model_text, window, chunk, block_size):
     m, toks = model_text
     ref = reference_perplexity(m, toks, window)

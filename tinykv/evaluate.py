@@ -90,7 +90,7 @@ def _windows(model: Transformer, tokens: list[int], window: int) -> list[list[in
 
 def _nll_sum(logits: torch.Tensor, targets: list[int]) -> float:
     """Summed negative log-likelihood of targets under the first len(targets) rows of logits."""
-    t = torch.tensor(targets, device=logits.device)
+    t = torch.tensor(targets, dtype=torch.long, device=logits.device)  # may be empty (chunk 1)
     nll = F.cross_entropy(logits[:len(targets)].float(), t, reduction="none")
     return nll.double().sum().item()
 

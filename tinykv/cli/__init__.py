@@ -107,6 +107,9 @@ def load_command(name: str) -> Callable:
 def main(argv: list[str] | None = None, generate_prog: str | None = None) -> int:
     """Run one command line; returns the exit status (0, 1 for an error, 2 for a bad flag,
     130 when interrupted, 143 when terminated). Errors are one `error:` line on stderr."""
+    for stream in (sys.stdout, sys.stderr):  # a path given in another encoding prints as given
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="surrogateescape")
     try:
         with termination_raised():
             args = build_parser(generate_prog).parse_args(sys.argv[1:] if argv is None else argv)
