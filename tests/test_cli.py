@@ -429,6 +429,8 @@ MODEL_ERRORS = [
                                "--device-blocks", "1", "--window", "64"], "--window 64"),
     ("passkey-kv-memory-1K", ["eval", "--task", "passkey", "--weights", "{chat}", "--lengths",
                               "64", "--depths", "1", "--kv-memory", "1K"], "holds no block"),
+    ("prompt-over-pool", ["run.py", "--prompt-file", "{long_prompt}", "--weights", "{tiny}",
+                          "--device-blocks", "1", *GEN], "prompt 1 needs 6 blocks"),
     ("evict-budget-over-device", ["run.py", "--prompt-file", "{long_prompt}", "--weights",
                                   "{tiny}", "--kv", "int8,evict=h2o:100", "--device-blocks", "2",
                                   "--host-blocks", "16", *GEN], "evict=h2o:100"),
@@ -652,6 +654,18 @@ def test_prompt_from_stdin(files: dict[str, str], tmp_path: Path, name: str) -> 
                        capture_output=True, timeout=TIMEOUT, input="w1 w2 w3\n")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["prompt_ids"] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("block_size", ["64", "4096"])
+def test_bench_kernel_block_larger_than_a_context(tmp_path: Path, block_size: str) -> None:
+    """Blocks of 64 or 4096 tokens over the quick grid's contexts of 32 and 80: each sequence
+    takes whole blocks (the pool was sized by tokens / block size, too few)."""
+    work, _ = prepare(tmp_path)
+    r = run_cli(["bench", "kernel", "--quick", "--kv", "int8", "--block-size", block_size,
+                 "--out", "k.json"], work)
+    assert r.returncode == 0, r.stderr
+    assert {row["context"] for row in json.loads((work / "k.json").read_text())["rows"]} == \
+        {32, 80}
 
 
 @pytest.mark.skipif(not NO_GPU, reason="with a GPU, --attention triton runs compiled")

@@ -107,15 +107,21 @@ def check_evict_fits(cache: PagedKVCache) -> None:
                          "--device-blocks or --kv-memory, or lower the budget")
 
 
-def check_window_fits(cache: PagedKVCache, args, window: int) -> None:
-    """A window of perplexity is one sequence: refuse up front a pool that cannot hold it."""
+def check_fits(cache: PagedKVCache, args, n_tokens: int, what: str) -> None:
+    """Refuse up front a sequence the pool and its offload tiers can never hold: `what` (a
+    window, a prompt) of n_tokens fed whole. Counted leniently (full blocks past the sinks and
+    the residual window, which may sit in full-precision blocks), so that nothing that would run
+    is refused; eviction bounds a sequence, but for snapkv, which keeps a whole prompt first."""
+    spec = cache.spec
+    if spec.evict not in ("", "snapkv"):
+        return
     tiers = cache.num_blocks + args.host_blocks + args.disk_blocks
-    need = math.ceil(window / cache.bs)
-    if not cache.spec.evict and tiers < need:
-        raise UsageError(f"--window {window} needs {need} blocks of {cache.bs} tokens, but the "
-                         f"KV pool holds {cache.num_blocks} (and the offload tiers "
+    need = max(0, n_tokens - spec.sink - spec.residual) // cache.bs
+    if tiers < need:
+        raise UsageError(f"{what} needs {need} blocks of {cache.bs} tokens, but the KV pool "
+                         f"holds {cache.num_blocks} (and the offload tiers "
                          f"{tiers - cache.num_blocks}): raise --device-blocks, --kv-memory or "
-                         "--host-blocks, or lower --window")
+                         "--host-blocks")
 
 
 def check_scale_use(model: Transformer, tokens: list[int], spec: KVSpec,

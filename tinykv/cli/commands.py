@@ -25,8 +25,8 @@ from ..tokenizer import StreamDecoder, Tokenizer
 from .caches import (
     cache_options,
     check_evict_fits,
+    check_fits,
     check_scale_use,
-    check_window_fits,
     open_cache,
     pool_size,
     scales_of,
@@ -151,6 +151,8 @@ def cmd_generate(args) -> None:
     need = sum(heapq.nlargest(max_seqs, lengths))
     with ExitStack() as stack:
         cache = open_cache(stack, model, args, args.kv, need, max_seqs, args.prefill_chunk)
+        longest = max(range(len(ids)), key=lambda i: len(ids[i]))
+        check_fits(cache, args, len(ids[longest]) + 1, f"prompt {longest + 1}")
         eng = Engine(model, cache, eos_ids=tok.eos_ids, max_batch=max_batch,
                      prefill_chunk=args.prefill_chunk)
         samp = Sampling(args.temperature, args.top_k, args.top_p, args.max_new_tokens, args.seed)
@@ -286,7 +288,8 @@ def cmd_eval(args) -> None:
     for spec in [args.kv] + (args.plot_specs or []):
         with ExitStack() as stack:
             cache = open_cache(stack, model, args, spec, window, 1, args.chunk)
-            check_window_fits(cache, args, window)
+            if not spec.evict:  # a window is fed whole (eviction compacts every chunk)
+                check_fits(cache, args, window, f"--window {window}")
             r = evaluate.perplexity(model, cache, tokens, window, args.chunk, progress=True)
         results.append(r)
         print(f"[tinykv] {r.kv}: ppl {r.ppl:.4f}, {r.kv_bytes_per_token:.0f} KV bytes/token, "
@@ -336,6 +339,8 @@ def cmd_passkey(args) -> None:
             cache = make_cache(cfg, spec, **pool_size(args, tokens),
                                **cache_options(stack, model, args, spec), **kw)
             check_evict_fits(cache)
+            check_fits(cache, args, max(args.lengths), f"a passkey prompt of {max(args.lengths)} "
+                       "tokens")
             return cache
 
         result = run_passkey(model, tok, args.kv, args.lengths, args.depths, args.trials,
