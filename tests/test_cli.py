@@ -143,6 +143,8 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         out[name.replace(".", "_")] = root / name
     (root / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
     out["latin1_txt"] = root / "latin1.txt"
+    (root / "utf16.txt").write_text("w1 w2", encoding="utf-16")  # with its byte order mark
+    out["utf16_txt"] = root / "utf16.txt"
     (root / "a_file").write_text("x")
     out["a_file"] = root / "a_file"
     out["missing"] = root / "missing"
@@ -378,6 +380,7 @@ EARLY_ERRORS = [
      "group size 48"),
     # text a tokenizer cannot take
     ("argv-latin1-byte", ["run.py", "w1 caf\udce9", "--weights", "{tiny}"], "byte 0xe9"),
+    ("eval-text-utf16", ["eval", "--weights", "{tiny}", "--text", "{utf16_txt}"], "UTF-16"),
     ("jsonl-lone-surrogate", ["run.py", "--batch", "{surrogate_jsonl}", "--weights", "{tiny}"],
      "lone surrogate"),
 ]

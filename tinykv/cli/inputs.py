@@ -154,6 +154,9 @@ def read_text(path: str | None, what: str) -> str:
         if p.is_dir():
             raise UsageError(f"{what}: {path} is a folder, not a text file")
         data = p.read_bytes()
+    if data[:2] in (b"\xff\xfe", b"\xfe\xff"):
+        raise UsageError(f"{what}: {path} is UTF-16 text (its byte order mark says so); save it "
+                         "as UTF-8")
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
