@@ -311,22 +311,22 @@ class Offloader:
                 self.counts[f"bytes_{TIER_NAMES[tier]}_to_device"] += sum(r.nbytes for r in rows)
             at += len(lst)
 
-    def read_blocks(self, layer: int, entries: list[tuple[int, int, int, int]],
+    def read_blocks(self, layer: int, entries: list[PlacedBlock],
                     width: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """One sequence's blocks (row 0, logical block, tier, id), read where they lie: (its
-        table (1, width) into the rows, one layer's rows as new device tensors in layer_rows'
-        order). Eviction reads a whole sequence this way; nothing moves between tiers."""
+        """One sequence's blocks (row 0), read where they lie: (its table (1, width) into the
+        rows, one layer's rows as new device tensors in layer_rows' order). Eviction reads a
+        whole sequence this way; nothing moves between tiers."""
         where = self.layer_rows(layer)
         table = torch.full((1, width), -1, dtype=torch.int32)
         parts, at = [], 0
         for tier in (STORE, HOST, DISK):  # rows: tier after tier
-            mine = [(j, b) for _, j, t, b in entries if t == tier]
+            mine = [e for e in entries if e.tier == tier]
             if not mine:
                 continue
-            for n, (j, _) in enumerate(mine):
-                table[0, j] = at + n
+            for n, e in enumerate(mine):
+                table[0, e.logical] = at + n
             at += len(mine)
-            idx = torch.tensor([b for _, b in mine])
+            idx = torch.tensor([e.block for e in mine])
             if tier == STORE:
                 idx = idx.to(self.device)
                 parts.append([self.tensors[ti][local].index_select(0, idx) for ti, local in where])
