@@ -93,8 +93,7 @@ class Config:
 
     @classmethod
     def from_hf(cls, f: Fields) -> Config:
-        """Map a Hugging Face config.json's fields (type-checked as read) onto Config: the one
-        place HF field names appear."""
+        """config.json's fields (each type-checked) onto Config: the one place HF names appear."""
         mt, eos, bos = f.str("model_type", ""), f.ids("eos_token_id"), f.int("bos_token_id", None)
         if mt in GPT2_FAMILY:
             dim, n_heads = f.int("n_embd"), f.int("n_head")
@@ -127,21 +126,11 @@ class Config:
                    head_dim=f.int("head_dim", 0, lo=1), ffn_dim=f.int("intermediate_size"),
                    norm_eps=f.float("rms_norm_eps", 1e-6, positive=True),
                    rope_theta=f.float("rope_theta", rope.float("rope_theta", 10000.0, True), True),
-                   rope_scaling=llama3_scaling(rope) if rtype == "llama3" else None,
+                   rope_scaling=rope.llama3_scaling() if rtype == "llama3" else None,
                    max_seq_len=f.int("max_position_embeddings", 2048),
                    tie_embeddings=f.bool("tie_word_embeddings", False),
                    qkv_bias=attn_bias or mt == "qwen2", o_bias=attn_bias,
                    mlp_bias=f.bool("mlp_bias", False), bos_token_id=bos, eos_token_id=eos)
-
-
-def llama3_scaling(rope: Fields) -> dict[str, float]:
-    """llama3 RoPE scaling's four numbers, checked (rope_tables divides by the factors' gap)."""
-    low, high = rope.float("low_freq_factor", 1.0, True), rope.float("high_freq_factor", 4.0, True)
-    if high <= low:
-        raise ModelError(f"{rope.name}: high_freq_factor must exceed low_freq_factor")
-    return {"factor": rope.float("factor", positive=True), "low_freq_factor": low,
-            "high_freq_factor": high, "original_max_position_embeddings":
-            rope.int("original_max_position_embeddings", lo=1)}
 
 
 def rope_tables(cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
@@ -320,9 +309,8 @@ class Transformer(nn.Module):
         expected = dict(model.named_parameters())
         for name, t in sd.items():
             if name in expected and tuple(t.shape) != tuple(expected[name].shape):
-                raise ModelError(f"checkpoint in {path}: tensor {name} has shape "
-                                 f"{tuple(t.shape)}, config.json implies "
-                                 f"{tuple(expected[name].shape)}")
+                raise ModelError(f"checkpoint in {path}: tensor {name} has shape {tuple(t.shape)}, "
+                                 f"config.json implies {tuple(expected[name].shape)}")
         model.load_state_dict(sd, strict=False, assign=True)
         if cfg.tie_embeddings:
             model.lm_head.weight = model.embed.weight

@@ -124,6 +124,18 @@ class Fields:
             raise self._bad(key, value, "an object")
         return Fields(f"{self.name}: {key}", value)
 
+    def llama3_scaling(self) -> dict[str, float]:
+        """This rope_scaling section's four llama3 numbers, checked (RoPE divides by the gap
+        between the two frequency factors)."""
+        low = self.float("low_freq_factor", 1.0, positive=True)
+        high = self.float("high_freq_factor", 4.0, positive=True)
+        if high <= low:
+            raise ModelFileError(f"{self.name}: high_freq_factor {high} must exceed "
+                                 f"low_freq_factor {low}")
+        return {"factor": self.float("factor", positive=True), "low_freq_factor": low,
+                "high_freq_factor": high, "original_max_position_embeddings":
+                self.int("original_max_position_embeddings", lo=1)}
+
     def chat_template(self, key: str = "chat_template") -> str | None:
         """A Jinja template: a string, or a list of {"name", "template"} whose "default" one is
         used (None when none is named so)."""

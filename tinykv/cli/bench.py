@@ -74,7 +74,10 @@ def cmd_bench_roofline(args) -> None:
     from ..bench import roofline
 
     args.device = args.device or "cpu"  # a CPU benchmark: never the default CUDA device
-    check_io(args, {"--out's chart": roofline.chart_path(args.out)})
+    from ..bench.charts import roofline_chart_paths
+
+    pngs = roofline_chart_paths(Path(args.out).with_suffix(".png"), args.thread_counts)
+    check_io(args, {f"the chart {p.name}": p for p in pngs})
     model, path = load_model(args)
     specs = [str(s) for s in args.kv] if args.kv else None
     command = " ".join(["python -m tinykv bench", *map(shlex.quote, sys.argv[2:])])
@@ -114,13 +117,14 @@ def cmd_bench_peers(args) -> None:
     if args.device != "cpu" or (args.dtype or "float32") != "float32":
         raise UsageError("bench peers compares float32 weights on the CPU (--device cpu "
                          "--dtype float32)")
+    if args.no_ppl and args.no_speed:
+        raise UsageError("--no-ppl with --no-speed leaves nothing to measure")
+    check_io(args, {"the chart": Path(args.out).with_suffix(".png")})
     text = read_text(args.text or str(SAMPLE_TEXT), "bench peers")
     model, path = load_model(args)
     window = window_of(args, model)
     specs = [str(s) for s in args.kv] if args.kv else ["fp16", "int8", "int4"]
     command = " ".join(["python -m tinykv bench", *map(shlex.quote, sys.argv[2:])])
-    if args.no_ppl and args.no_speed:
-        raise UsageError("--no-ppl with --no-speed leaves nothing to measure")
     contexts = [] if args.no_speed else args.contexts
     peers.run(model, path, text, contexts, specs, args.rounds, args.new, args.threads,
               not args.no_ppl, args.out, command, window, args.offset, args.max_tokens,

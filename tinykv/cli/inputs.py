@@ -94,6 +94,9 @@ NOT_USED = [
     ("bench", lambda a: a.readme and not a.bench_cmd, "with --readme",
      ("quick", "text", "out", "kv", "reps", "no_transformers", "weights", "device", "dtype",
       "threads")),
+    ("bench peers", lambda a: a.no_speed, "with --no-speed",
+     ("contexts", "rounds", "new")),
+    ("bench peers", lambda a: a.no_ppl, "with --no-ppl", ("window", "offset", "max_tokens")),
     ("generate", lambda a: not a.host_blocks, "without --host-blocks", ("stage_blocks",)),
     ("eval", lambda a: not a.host_blocks, "without --host-blocks", ("stage_blocks",)),
 ]
