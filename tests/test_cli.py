@@ -310,6 +310,8 @@ PARSE_ERRORS = [
     ("kernel-aot-and-kv", ["bench", "kernel", "--aot", "--kv", "int4"], "--aot"),
     ("quality-no-ppl-text", ["bench", "quality", "--no-ppl", "--text", "{text}"], "--no-ppl"),
     ("readme-and-quick", ["bench", "--readme", "{empty_json}", "--quick"], "--readme"),
+    ("peers-no-speed-contexts", ["bench", "peers", "--no-speed", "--contexts", "100"],
+     "--no-speed"),
 ]
 
 # Found before the model loads (every case names --weights, so none could fetch).
@@ -371,6 +373,8 @@ EARLY_ERRORS = [
      "not 'txt'"),
     ("roofline-out-folder", ["bench", "roofline", "--quick", "--weights", "{tiny}", "--out",
                              "{a_dir}"], "is a folder"),
+    ("roofline-out-is-its-chart", ["bench", "roofline", "--quick", "--weights", "{tiny}",
+                                   "--out", "{out}.png"], "is also --out"),
     ("roofline-out-dev-null", ["bench", "roofline", "--quick", "--weights", "{tiny}", "--out",
                                "/dev/null"], "not a regular file"),
     ("fetch-dest-user-files", ["fetch", "--dest", "{user_dir}"], "did not write"),
