@@ -78,7 +78,10 @@ def test_run_py_greedy_json(smollm2_goldens):
 @pytest.mark.parametrize("args, message", [
     (["--weights", "/nonexistent"], "weights directory not found"),
     (["--kv", "int9"], "bad KV spec 'int9'"),
-    (["--max-new-tokens", "1", "--device-blocks", "1", "--block-size", "1"], "exhausted"),
+    (["--max-new-tokens", "1", "--device-blocks", "1", "--block-size", "1"],
+     "the KV pool holds 1"),  # the prompt alone does not fit: refused before the run
+    (["--max-new-tokens", "20", "--device-blocks", "3", "--block-size", "1"],
+     "exhausted"),  # the prompt fits, its continuation runs out of blocks
 ])
 def test_cli_errors_are_one_line(args, message):
     out = subprocess.run([sys.executable, RUN, "hello there", *args], capture_output=True,
