@@ -90,7 +90,7 @@ def same_weights(f32_gguf: Path, weights: Path) -> dict:
     the model folder's model.safetensors: counts of tensors and of exactly equal ones."""
     from safetensors.torch import load_file
 
-    from ..fetch import convert_gguf
+    from ..convert import convert_gguf
 
     with tempfile.TemporaryDirectory(prefix="tinykv-peers-") as tmp:
         ours = load_file(str(Path(weights) / "model.safetensors"))
