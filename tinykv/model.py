@@ -348,24 +348,29 @@ def convert_hf_state_dict(cfg: Config, hf: dict[str, torch.Tensor]) -> dict[str,
             raise ModelError(f"checkpoint lacks tensor '{name}'")
         return hf[name].float()
 
-    sd: dict[str, torch.Tensor] = {}
-    if cfg.gpt2_style:
-        # gpt2 stores Conv1D weights (in, out); gpt_bigcode uses nn.Linear's (out, in)
-        conv1d = cfg.model_type == "gpt2"
-        sd["embed.weight"], sd["pos_embed.weight"] = get("wte.weight"), get("wpe.weight")
-        sd["norm.weight"], sd["norm.bias"] = get("ln_f.weight"), get("ln_f.bias")
-        pairs = {"norm1": "ln_1", "norm2": "ln_2", "attn.wqkv": "attn.c_attn",
-                 "attn.wo": "attn.c_proj", "mlp.w_in": "mlp.c_fc", "mlp.w_out": "mlp.c_proj"}
-        for i in range(cfg.n_layers):
-            src, dst = f"h.{i}.", f"layers.{i}."
-            for ours, theirs in pairs.items():
-                w = get(src + theirs + ".weight")
-                if conv1d and not ours.startswith("norm"):
-                    w = w.t().contiguous()
-                sd[dst + ours + ".weight"] = w
-                sd[dst + ours + ".bias"] = get(src + theirs + ".bias")
-        return sd
-    sd["embed.weight"], sd["norm.weight"] = get("embed_tokens.weight"), get("norm.weight")
+    return _gpt2_tensors(cfg, get) if cfg.gpt2_style else _llama_tensors(cfg, get)
+
+
+def _gpt2_tensors(cfg: Config, get: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
+    # gpt2 stores Conv1D weights (in, out); gpt_bigcode uses nn.Linear's (out, in)
+    conv1d = cfg.model_type == "gpt2"
+    sd = {"embed.weight": get("wte.weight"), "pos_embed.weight": get("wpe.weight"),
+          "norm.weight": get("ln_f.weight"), "norm.bias": get("ln_f.bias")}
+    pairs = {"norm1": "ln_1", "norm2": "ln_2", "attn.wqkv": "attn.c_attn",
+             "attn.wo": "attn.c_proj", "mlp.w_in": "mlp.c_fc", "mlp.w_out": "mlp.c_proj"}
+    for i in range(cfg.n_layers):
+        src, dst = f"h.{i}.", f"layers.{i}."
+        for ours, theirs in pairs.items():
+            w = get(src + theirs + ".weight")
+            if conv1d and not ours.startswith("norm"):
+                w = w.t().contiguous()
+            sd[dst + ours + ".weight"] = w
+            sd[dst + ours + ".bias"] = get(src + theirs + ".bias")
+    return sd
+
+
+def _llama_tensors(cfg: Config, get: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
+    sd = {"embed.weight": get("embed_tokens.weight"), "norm.weight": get("norm.weight")}
     if not cfg.tie_embeddings:
         sd["lm_head.weight"] = get("lm_head.weight")
     for i in range(cfg.n_layers):
