@@ -13,11 +13,8 @@ One JSON, PNG charts, and `render_readme` for the README.
 
 from __future__ import annotations
 
-import importlib.metadata
 import importlib.util
 import json
-import os
-import platform
 import random
 import statistics
 import time
@@ -36,6 +33,7 @@ from ..plots import save_figure
 from ..quant import bytes_per_token
 from ..spec import KVSpec
 from .charts import grouped_bars
+from .common import machine_info, md_table, repeat_to
 
 KIVI = "k=int4:channel:asym,v=int4:g32:asym,residual=64"
 DEFAULT_SPECS = ("fp16", "int8", "int4", KIVI)
@@ -58,23 +56,6 @@ Tick = Callable[[str], None]  # progress: called once per finished measurement
 
 def _nop(_: str) -> None:
     """The default Tick: no progress shown."""
-
-
-def machine_info(device: torch.device) -> dict:
-    """What the results were measured on: CPU, threads, GPU, library versions, date and load."""
-    cpuinfo = Path("/proc/cpuinfo")
-    lines = cpuinfo.read_text().splitlines() if cpuinfo.is_file() else []
-    names = (ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name"))
-    transformers = None
-    if importlib.util.find_spec("transformers"):
-        transformers = importlib.metadata.version("transformers")
-    return {"cpu": next(names, platform.machine()), "cores": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-            "python": platform.python_version(), "device": str(device),
-            "date": time.strftime("%Y-%m-%d %H:%M"),
-            "load_avg": os.getloadavg() if hasattr(os, "getloadavg") else None,
-            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-            "transformers": transformers}
 
 
 # ---- measuring -----------------------------------------------------------------------------------
@@ -141,19 +122,46 @@ def tokens_match(ours: list[int], ref: list[int]) -> dict:
     return {"match": diff is None, "first_diff": diff}
 
 
-def bench_e2e(model: Transformer, hf, ids: list[int], lengths: list[int], n_new: int,
-              specs: list[str], reps: int, hf_quant: bool, tick: Tick = _nop) -> list[dict]:
-    """Rows (prompt_len, engine, kv) of median prefill/decode tokens/s; tinykv rows compared to
-    transformers."""
+def _interleaved_engines(specs: list[str], hf, hf_quant: bool) -> list[tuple[str, str]]:
+    """(engine, kv) pairs in the order they run: tinykv, transformers, tinykv, ..."""
     ours = [("tinykv", s) for s in specs]
     theirs = []
     if hf is not None:
         theirs.append(("transformers", "default"))
         if hf_quant:
             theirs.append(("transformers", "quanto-int4"))
-    order = []  # interleaved: tinykv, transformers, tinykv, ...
+    order = []
     for i in range(max(len(ours), len(theirs))):
         order += ours[i:i + 1] + theirs[i:i + 1]
+    return order
+
+
+def _median_row(engine: str, kv: str, prompt_len: int, n_new: int, runs: list[dict]) -> dict:
+    return {"prompt_len": prompt_len, "engine": engine, "kv": kv, "new_tokens": n_new,
+            "runs": len(runs),
+            "prefill_tok_s": statistics.median(r["prefill_tok_s"] for r in runs),
+            "decode_tok_s": statistics.median(r["decode_tok_s"] for r in runs),
+            "decode_tok_s_all": [r["decode_tok_s"] for r in runs],
+            "ids": runs[0]["ids"]}
+
+
+def _compare_to_hf(rows: list[dict]) -> None:
+    """Each tinykv row gains: the same greedy tokens as transformers? how many times its speed?"""
+    for r in rows:
+        hf_rows = {x["kv"]: x for x in rows
+                   if x["prompt_len"] == r["prompt_len"] and x["engine"] == "transformers"}
+        if r["engine"] == "tinykv" and "default" in hf_rows:
+            match = tokens_match(r["ids"], hf_rows["default"]["ids"])
+            r.update({f"{k}_vs_hf": v for k, v in match.items()})
+            for kv, x in hf_rows.items():
+                r[f"decode_x_hf_{kv}"] = r["decode_tok_s"] / x["decode_tok_s"]
+
+
+def bench_e2e(model: Transformer, hf, ids: list[int], lengths: list[int], n_new: int,
+              specs: list[str], reps: int, hf_quant: bool, tick: Tick = _nop) -> list[dict]:
+    """Rows (prompt_len, engine, kv) of median prefill/decode tokens/s; tinykv rows compared to
+    transformers."""
+    order = _interleaved_engines(specs, hf, hf_quant)
 
     def measure(engine: tuple[str, str], prompt: list[int], n: int) -> dict:
         name, kv = engine
@@ -172,21 +180,8 @@ def bench_e2e(model: Transformer, hf, ids: list[int], lengths: list[int], n_new:
             for e in order[shift:] + order[:shift]:  # rotated: drift hits every engine
                 runs[e].append(measure(e, ids[:L], n_new))
                 tick(f"{L} tokens: {e[0]} {e[1]}")
-        for (engine, kv), rs in runs.items():
-            rows.append({"prompt_len": L, "engine": engine, "kv": kv, "new_tokens": n_new,
-                         "runs": len(rs),
-                         "prefill_tok_s": statistics.median(r["prefill_tok_s"] for r in rs),
-                         "decode_tok_s": statistics.median(r["decode_tok_s"] for r in rs),
-                         "decode_tok_s_all": [r["decode_tok_s"] for r in rs],
-                         "ids": rs[0]["ids"]})
-    for r in rows:  # the same greedy tokens as transformers? how many times its speed?
-        hf_rows = {x["kv"]: x for x in rows
-                   if x["prompt_len"] == r["prompt_len"] and x["engine"] == "transformers"}
-        if r["engine"] == "tinykv" and "default" in hf_rows:
-            match = tokens_match(r["ids"], hf_rows["default"]["ids"])
-            r.update({f"{k}_vs_hf": v for k, v in match.items()})
-            for kv, x in hf_rows.items():
-                r[f"decode_x_hf_{kv}"] = r["decode_tok_s"] / x["decode_tok_s"]
+        rows += [_median_row(engine, kv, L, n_new, rs) for (engine, kv), rs in runs.items()]
+    _compare_to_hf(rows)
     return rows
 
 
@@ -286,21 +281,6 @@ def _name(row: dict) -> str:
     return f"{row['engine']} {row['kv']}"
 
 
-def md_table(head: list[str], rows: list[list], right: int = 1) -> list[str]:
-    """A Markdown table padded to aligned columns (readable printed too); columns from `right` on
-    align right."""
-    cells = [head] + [[str(c) for c in r] for r in rows]
-    width = [max(len(r[i]) for r in cells) for i in range(len(head))]
-
-    def line(row: list[str]) -> str:
-        padded = [c.rjust(width[i]) if i >= right else c.ljust(width[i]) for i, c in enumerate(row)]
-        return "| " + " | ".join(padded) + " |"
-
-    rule = "|" + "|".join("-" * (width[i] + 1) + (":" if i >= right else "-")
-                          for i in range(len(head))) + "|"
-    return [line(head), rule] + [line(r) for r in cells[1:]]
-
-
 def _times(row: dict, key: str) -> str:
     """A speed ratio as '1.23x', or '-' where the row has none."""
     return f"{row[key]:.2f}x" if key in row else "-"
@@ -387,6 +367,20 @@ def render_readme(results: dict | str | Path) -> str:
 
 
 # ---- running it ----------------------------------------------------------------------------------
+def _load_transformers(weights: Path, like: torch.Tensor) -> tuple:
+    """transformers' model of the same weights (dtype and device as `like`), and whether its
+    quantized cache (optimum-quanto) is installed; (None, False) without transformers."""
+    if not importlib.util.find_spec("transformers"):
+        return None, False
+    import transformers as tf
+
+    tf.logging.set_verbosity_error()
+    hf = tf.AutoModelForCausalLM.from_pretrained(weights, dtype=like.dtype)
+    hf_quant = bool(importlib.util.find_spec("optimum")
+                    and importlib.util.find_spec("optimum.quanto"))
+    return hf.to(like.device).eval(), hf_quant
+
+
 def run(model: Transformer, weights: Path, text: str, text_name: str, quick: bool = False,
         specs: list[str] | None = None, reps: int | None = None, transformers: bool = True,
         out: str | Path = "bench/results-new.json", command: str = "python -m tinykv bench",
@@ -403,16 +397,8 @@ def run(model: Transformer, weights: Path, text: str, text_name: str, quick: boo
         mode["reps"] = reps
     ids = Tokenizer.from_dir(weights).encode(text[:1_000_000])
     ids = repeat_to(ids, needed_tokens(mode))
-    hf, hf_quant = None, False
     weight = next(model.parameters())
-    if transformers and importlib.util.find_spec("transformers"):
-        import transformers as tf
-
-        tf.logging.set_verbosity_error()
-        hf = tf.AutoModelForCausalLM.from_pretrained(weights, dtype=weight.dtype)
-        hf = hf.to(weight.device).eval()
-        hf_quant = bool(importlib.util.find_spec("optimum")
-                        and importlib.util.find_spec("optimum.quanto"))
+    hf, hf_quant = _load_transformers(weights, weight) if transformers else (None, False)
     n_eng = len(specs) + (hf is not None) + hf_quant
     total = n_eng * (1 + len(mode["lengths"]) * mode["reps"]) + 2 * len(mode["batches"])
     bar = tqdm(total=total + len(MEM_SPECS), desc="bench", unit="run")
@@ -437,12 +423,3 @@ def run(model: Transformer, weights: Path, text: str, text_name: str, quick: boo
 def needed_tokens(mode: dict) -> int:
     """Tokens the prompts of a mode are cut from: the longest e2e prompt, then the batches'."""
     return max(mode["lengths"]) + max(mode["batches"]) * mode["batch_lens"][1]
-
-
-def repeat_to(ids: list[int], n: int) -> list[int]:
-    """ids repeated until there are n: a short text still gives long prompts (speed does not
-    depend on what the words are; perplexity is measured on the text's first tokens)."""
-    if not ids:
-        raise ValueError("the benchmark text is empty")
-    reps = -(-n // len(ids))
-    return (ids * reps)[:max(n, len(ids))]

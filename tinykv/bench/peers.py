@@ -127,7 +127,7 @@ def flash_attn(cache: str) -> bool:
 class LlamaRunner:
     """One llama.cpp context holding one prompt: prefill, then greedy decode steps."""
 
-    def __init__(self, path: Path, cache: str, prompt: list[int], n_ctx: int, threads: int):
+    def __init__(self, path: Path, cache: str, prompt: list[int], *, n_ctx: int, threads: int):
         self.llm = load_llama(path, cache, n_ctx, threads)
         self.new_ids: list[int] = []
         t0 = time.perf_counter()
@@ -174,7 +174,8 @@ def time_context(model: Transformer, gguf: Path | None, prompt: list[int], cfg: 
         tick(f"{len(prompt)} tokens: tinykv {spec} prefill")
     n_ctx = len(prompt) + rounds * new + 8
     for cache in cfg["llama_kv"] if gguf is not None else []:
-        runners["llama.cpp", cache] = LlamaRunner(gguf, cache, prompt, n_ctx, threads)
+        runners["llama.cpp", cache] = LlamaRunner(gguf, cache, prompt, n_ctx=n_ctx,
+                                                  threads=threads)
         tick(f"{len(prompt)} tokens: llama.cpp {cache} prefill")
     order = list(runners)
     speeds: dict[tuple[str, str], list[float]] = {name: [] for name in order}
@@ -340,7 +341,7 @@ def _ratio(x: float | int | None) -> str:
 
 def render(res: dict) -> str:
     """The tables: decode tok/s and prefill per engine and context, the ratios, perplexity."""
-    from .e2e import md_table
+    from .common import md_table
 
     bw = res["bandwidth"]
     out = [f"`{res.get('command', 'bench peers')}`: {res['machine']['cpu']}, "
@@ -401,7 +402,7 @@ def run(model: Transformer, weights: Path, text: str, contexts: list[int], specs
     import sys
 
     from ..tokenizer import Tokenizer
-    from .e2e import machine_info, repeat_to
+    from .common import machine_info, repeat_to
 
     out = Path(out)
     room = model.cfg.max_seq_len - rounds * new - 8

@@ -37,7 +37,8 @@ from ..outputs import write_text
 from ..pools import KVPools
 from ..spec import KVSpec
 from .charts import roofline_charts
-from .e2e import DEFAULT_SPECS, HF_QUANT, KIVI, machine_info, md_table
+from .common import machine_info, md_table
+from .e2e import DEFAULT_SPECS, HF_QUANT, KIVI
 
 MODES = {
     "full": dict(bw_mib=512, bw_reps=5, contexts=[1024, 4096, 8192], attn_reps=7,

@@ -1,0 +1,54 @@
+"""What every benchmark shares: the machine it ran on, Markdown tables, prompts cut from a
+text."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+
+def machine_info(device: torch.device) -> dict:
+    """What the results were measured on: CPU, threads, GPU, library versions, date and load."""
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.is_file() else []
+    names = (ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name"))
+    transformers = None
+    if importlib.util.find_spec("transformers"):
+        transformers = importlib.metadata.version("transformers")
+    return {"cpu": next(names, platform.machine()), "cores": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+            "python": platform.python_version(), "device": str(device),
+            "date": time.strftime("%Y-%m-%d %H:%M"),
+            "load_avg": os.getloadavg() if hasattr(os, "getloadavg") else None,
+            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+            "transformers": transformers}
+
+
+def md_table(head: list[str], rows: list[list], right: int = 1) -> list[str]:
+    """A Markdown table padded to aligned columns (readable printed too); columns from `right` on
+    align right."""
+    cells = [head] + [[str(c) for c in r] for r in rows]
+    width = [max(len(r[i]) for r in cells) for i in range(len(head))]
+
+    def line(row: list[str]) -> str:
+        padded = [c.rjust(width[i]) if i >= right else c.ljust(width[i]) for i, c in enumerate(row)]
+        return "| " + " | ".join(padded) + " |"
+
+    rule = "|" + "|".join("-" * (width[i] + 1) + (":" if i >= right else "-")
+                          for i in range(len(head))) + "|"
+    return [line(head), rule] + [line(r) for r in cells[1:]]
+
+
+def repeat_to(ids: list[int], n: int) -> list[int]:
+    """ids repeated until there are n: a short text still gives long prompts (speed does not
+    depend on what the words are; perplexity is measured on the text's first tokens)."""
+    if not ids:
+        raise ValueError("the benchmark text is empty")
+    reps = -(-n // len(ids))
+    return (ids * reps)[:max(n, len(ids))]
