@@ -155,7 +155,8 @@ def cmd_generate(args) -> None:
         check_fits(cache, args, len(ids[longest]) + 1, f"prompt {longest + 1}")
         eng = Engine(model, cache, eos_ids=tok.eos_ids, max_batch=max_batch,
                      prefill_chunk=args.prefill_chunk)
-        samp = Sampling(args.temperature, args.top_k, args.top_p, args.max_new_tokens, args.seed)
+        samp = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                        max_new_tokens=args.max_new_tokens, seed=args.seed)
         for x in ids:
             eng.add(x, samp, n=args.n)
         stream = len(ids) == 1 and args.n == 1 and not args.json
