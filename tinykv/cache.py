@@ -82,7 +82,7 @@ class PagedKVCache:
         disk_blocks = offload_cfg.disk_blocks if offload_cfg.disk_dir else 0
         self.tables = BlockTables(num_blocks=num_blocks, n_hot=self.n_hot, block_size=block_size,
                                   sink=spec.sink, residual=spec.residual,
-                                  needs_tail=spec.k.block_wise or spec.v.block_wise, data=self,
+                                  needs_tail=spec.block_wise, data=self,
                                   host_blocks=offload_cfg.host_blocks, disk_blocks=disk_blocks)
         self.offload = None
         if offload_cfg.host_blocks:
@@ -336,14 +336,14 @@ def make_cache(cfg: Config, spec: KVSpec | str, *, tokens: int | None = None,
 def _check_request(cfg: Config, spec: KVSpec, scales: dict[str, torch.Tensor] | None,
                    block_size: int) -> None:
     """A one-line CacheError (or SpecError) for a cache that cannot be built as asked."""
-    for p in (spec.k, spec.v):
+    for p in spec.key_parts + spec.value_parts:
         p.check(cfg.head_dim)
     if spec.needs_scales and scales is None:
         raise CacheError(f"KV spec '{spec}' has static scales, centers or smoothing maps: pass "
                          "a calibration file (--kv-scales)")
     if block_size < 1:
         raise CacheError(f"block size {block_size} must be >= 1")
-    spec.skipped(cfg.n_layers)  # a skip= outside the model is a SpecError here
+    spec.layer_parts(cfg.n_layers)  # a layer outside the model is a SpecError here
     if spec.evict and spec.budget < spec.sink + spec.residual + 1:
         raise CacheError(f"evict budget {spec.budget} must exceed sink + residual "
                          f"({spec.sink + spec.residual}): they count against it")

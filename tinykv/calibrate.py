@@ -16,6 +16,7 @@ int8 ("int", absmax / 127; vLLM itself serves fp8 KV caches only); other specs a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -135,10 +136,10 @@ def observe(x: torch.Tensor, p: QuantParams,
 
 def centers_of(k: torch.Tensor, v: torch.Tensor, spec: KVSpec) -> dict[str, torch.Tensor]:
     """The per-channel means (L, H, D) of recorded keys and values (L, H, T, D) that the spec's
-    `:center` parts subtract (quant.Transform)."""
+    `:center` parts subtract (quant.Transform): every layer's, when some layer centers."""
     out = {}
-    for name, p, x in (("k", spec.k, k), ("v", spec.v, v)):
-        if p.center:
+    for name, parts, x in (("k", spec.key_parts, k), ("v", spec.value_parts, v)):
+        if any(p.center for p in parts):
             out[f"{name}_center"] = x.float().mean(2)
     return out
 
@@ -212,17 +213,31 @@ def as_cached(x: torch.Tensor, which: str, transforms: list[Transform]) -> torch
     return torch.stack(out)
 
 
+def static_format(p: QuantParams) -> QuantParams:
+    """What a static part's scales depend on: its format without the transforms (they act on
+    what is observed, layer by layer: as_cached)."""
+    return dataclasses.replace(p, rot=False, center=False, smooth=False)
+
+
 def check_request(spec: KVSpec, observer: str, vllm: bool = False) -> None:
     """Fail fast, before the slow part, on what calibration (and the vLLM export) cannot do."""
     if not spec.needs_scales:
         raise CalibrationError(f"KV spec '{spec}' has no static, centered or smoothed part to "
                                "calibrate (e.g. int8:tensor:static or int4:rot:center)")
     parse_observer(observer)
+    for name, parts in (("k", spec.key_parts), ("v", spec.value_parts)):
+        static = {str(static_format(p)) for p in parts if p.static}
+        if len(static) > 1:
+            raise CalibrationError(f"KV spec '{spec}' has {len(static)} static {name} formats "
+                                   f"({', '.join(sorted(static))}); a scale file holds one for "
+                                   f"{name}: give its other layers dynamic formats")
     p = spec.k
-    if vllm and (p.rot or spec.v.rot or p.center or spec.v.center or p.smooth or spec.skip):
-        raise CalibrationError(f"vLLM cannot apply tinykv's rotation, centering, smoothing or "
-                               f"skipped layers: '{spec}' has :rot, :center, :smooth or skip= "
-                               "(export a spec without them)")
+    if vllm and (p.rot or spec.v.rot or p.center or spec.v.center or p.smooth or spec.skip
+                 or spec.per_layer):
+        raise CalibrationError(f"vLLM cannot apply tinykv's rotation, centering, smoothing, "
+                               f"skipped layers or per-layer formats (one KV format serves "
+                               f"every layer there): '{spec}' has :rot, :center, :smooth, skip= "
+                               "or a per-layer part (export a spec without them)")
     vllm_format = (p == spec.v and p.sym and p.gran in ("tensor", "head")
                    and p.dtype in ("fp8", "int8"))
     if vllm and not vllm_format:
@@ -238,9 +253,11 @@ def static_scales(k: torch.Tensor, v: torch.Tensor, spec: KVSpec,
     zero) is the dynamic one."""
     check_request(spec, observer)
     out = {}
-    for name, p, x in (("k", spec.k, k), ("v", spec.v, v)):
-        if not p.static:
+    for name, parts, x in (("k", spec.key_parts, k), ("v", spec.value_parts, v)):
+        static = [static_format(p) for p in parts if p.static]
+        if not static:
             continue
+        p = static[0]  # one per K and V (check_request): every layer's row, used or not
         lo, hi = observe(x, p, observer)
         bounds = torch.cat([lo, hi], 2)  # (L, H|1, 2, G): two "tokens" holding the range
         scale, zero = compute_scales(bounds, p, scale_dtype=torch.float32)  # (L, H|1, 1, G)
@@ -268,16 +285,18 @@ def calibrated(model: Transformer, tokens: list[int], spec: KVSpec, observer: st
                                                      torch.Tensor]:
     """(the scale file's tensors, keys, values (L, H, T, D) as the cache stores them)."""
     check_request(spec, observer)
-    rec = record(model, tokens, window, keep_q=spec.k.smooth, progress=progress)
+    smooth = any(p.smooth for p in spec.key_parts)
+    rec = record(model, tokens, window, keep_q=smooth, progress=progress)
     k, v = rec.stacked("k"), rec.stacked("v")  # (L, H, T, D) each, as the model makes them
     out = centers_of(k, v, spec)
-    if spec.k.smooth:  # S is fitted to the keys as it meets them: after centering
-        centered = k - out["k_center"][:, :, None] if spec.k.center else k
+    if smooth:  # S is fitted to the keys as it meets them: after centering (every layer's)
+        centered = torch.stack([k[i] - out["k_center"][i, :, None] if kp.center else k[i]
+                                for i, (kp, _) in enumerate(spec.layer_parts(len(k)))])
         weight = stored_attention(rec, spec.sink, spec.residual)  # (L, H, T)
         out["k_smooth"] = smooth_maps(centered, rec.stacked("q"), weight)
     transforms = layer_transforms(spec, model.cfg.n_layers, model.cfg.head_dim, out)
     k, v = as_cached(k, "k", transforms), as_cached(v, "v", transforms)
-    if spec.k.static or spec.v.static:
+    if any(p.static for p in spec.key_parts + spec.value_parts):
         out.update(static_scales(k, v, spec, observer))
     return out, k, v
 

@@ -144,7 +144,7 @@ def _exact_mask(T: int, spec: KVSpec, bs: int) -> torch.Tensor:
     exact = j < math.ceil(spec.sink / bs)  # sink blocks
     if spec.residual:  # the blocks of the residual window
         exact |= (j + 1) * bs > T - spec.residual
-    if spec.k.block_wise or spec.v.block_wise:  # the partial tail block, awaiting its scales
+    if spec.block_wise:  # the partial tail block, awaiting its scales
         exact |= j >= T // bs
     return exact
 
@@ -182,7 +182,7 @@ def attention_error(model: Transformer, tokens: list[int], spec: KVSpec, block_s
     # outputs turned back into the model's space.
     transforms = layer_transforms(spec, model.cfg.n_layers, model.cfg.head_dim, static_scales)
     Q, K, V = (as_cached(rec.stacked(w), w, transforms) for w in "qkv")  # (L, heads, T, D)
-    skipped = spec.skipped(model.cfg.n_layers)
+    parts = spec.layer_parts(model.cfg.n_layers)  # skipped layers: fp32, exact
     T, n_rep = K.shape[2], Q.shape[1] // K.shape[1]
     exact = _exact_mask(T, spec, block_size)[None, :, None]  # (1, T, 1)
     causal = torch.ones(T, T, dtype=torch.bool).tril()
@@ -191,8 +191,6 @@ def attention_error(model: Transformer, tokens: list[int], spec: KVSpec, block_s
 
     def stored(x: torch.Tensor, p: QuantParams, name: str, layer: int) -> torch.Tensor:
         """x (H, T, D) as the cache holds it, repeated for the query heads: (Hq, T, D)."""
-        if layer in skipped:  # kept at the model's dtype
-            return x.repeat_interleave(n_rep, 0)
         scales = static_scales or {}
         scale, zero = scales.get(f"{name}_scale"), scales.get(f"{name}_zero")
         if scale is not None:
@@ -216,8 +214,8 @@ def attention_error(model: Transformer, tokens: list[int], spec: KVSpec, block_s
         q = Q[layer]  # (Hq, T, D)
         k = K[layer].repeat_interleave(n_rep, 0)  # exact keys and values, (Hq, T, D)
         v = V[layer].repeat_interleave(n_rep, 0)
-        k_st = stored(K[layer], spec.k, "k", layer)  # as stored, (Hq, T, D)
-        v_st = stored(V[layer], spec.v, "v", layer)
+        k_st = stored(K[layer], parts[layer][0], "k", layer)  # as stored, (Hq, T, D)
+        v_st = stored(V[layer], parts[layer][1], "v", layer)
         logp, logp_st = log_probs(q, k), log_probs(q, k_st)  # (Hq, T, T)
         probs, probs_st = logp.exp(), logp_st.exp()
         # (Hq, T); masked out where 0 * (-inf - -inf) is NaN

@@ -7,8 +7,9 @@ Store pool of K (and of V): `data` (L, NB, H, BS, D // per_byte) codes, plus `sc
 `x = (q - zero) * scale` serves every granularity (quant.py). Static scales are one set per layer,
 (L, 1, H|1, 1, G), and never move with a block. Hot pool: (2, L, NH, H, BS, D) K and V as is.
 
-Layers a spec skips (`skip=`) keep their own store pools at the model's dtype: a *group* is a list
-of layers sharing one storage format, and L above is the group's number of layers.
+A *group* is a list of layers sharing one storage format (K and V), and L above is the group's
+number of layers: layers a spec skips (`skip=`) keep their own store pools at the model's dtype,
+and layers given their own part (`k@0:1=int4:rot`) store it in theirs.
 """
 
 from __future__ import annotations
@@ -121,14 +122,12 @@ class KVPools:
                  store_fn: StoreFn):
         self.store_fn = store_fn
         L, H, D = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
-        skipped = spec.skipped(L)
         full = QuantParams(_FLOAT_NAMES[dtype])  # skipped layers: the model's dtype
-        formats = [([i for i in range(L) if i not in skipped], spec.k, spec.v),
-                   (sorted(skipped), full, full)]
+        formats: dict[tuple[QuantParams, QuantParams], list[int]] = {}  # (K, V) -> its layers
+        for layer, kv in enumerate(spec.layer_parts(L, full)):
+            formats.setdefault(kv, []).append(layer)
         self.groups = []
-        for layers, kp, vp in formats:
-            if not layers:
-                continue
+        for (kp, vp), layers in formats.items():
             k = make_store_pool(cfg, kp, layers, num_blocks, block_size, "k", static, device)
             v = make_store_pool(cfg, vp, layers, num_blocks, block_size, "v", static, device)
             self.groups.append(LayerGroup(layers, k, v))
@@ -270,7 +269,7 @@ def hot_blocks(spec: KVSpec, block_size: int, max_seqs: int, max_step_tokens: in
     """Full-precision blocks a cache keeps: each sequence's sinks, residual window and tail, plus
     the blocks one step may fill before `commit` quantizes them, or, when larger, the blocks an
     eviction's compaction fills (it stores a whole budget again before quantizing it)."""
-    uses_hot = spec.k.block_wise or spec.v.block_wise or spec.sink or spec.residual
+    uses_hot = spec.block_wise or spec.sink or spec.residual
     if not uses_hot:
         return 0
     per_seq = math.ceil(spec.sink / block_size) + math.ceil(spec.residual / block_size) + 2
@@ -285,10 +284,10 @@ def block_bytes(cfg: Config, spec: KVSpec, block_size: int,
     """Bytes of one store block, all layers, K and V (quant.bytes_per_token's formula); skipped
     layers store the model's dtype."""
     H, D = cfg.n_kv_heads, cfg.head_dim
-    per_token = sum(bytes_per_token(p, H, D, block_size) for p in (spec.k, spec.v))
-    n_skip = len(spec.skipped(cfg.n_layers))
-    full = 2 * H * D * dtype.itemsize
-    return ((cfg.n_layers - n_skip) * per_token + n_skip * full) * block_size
+    full = QuantParams(_FLOAT_NAMES[dtype])
+    per_token = sum(bytes_per_token(p, H, D, block_size)
+                    for kv in spec.layer_parts(cfg.n_layers, full) for p in kv)
+    return per_token * block_size
 
 
 def check_fits(cfg: Config, spec: KVSpec, *, blocks: int, n_hot: int, block_size: int,

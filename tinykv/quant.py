@@ -110,34 +110,33 @@ class Transform:
 
 def layer_transforms(spec: KVSpec, n_layers: int, head_dim: int,
                      centers: dict[str, torch.Tensor] | None = None) -> list[Transform]:
-    """One Transform per layer for a spec's `:rot`, `:center` and `:smooth` parts (nothing for
+    """One Transform per layer for its parts' `:rot`, `:center` and `:smooth` (nothing for
     skipped layers). Rotations are seeded by layer, so a cache and its calibration agree; the
     means are centers["k_center"] / ["v_center"] (L, H, D) and the smoothing maps
     centers["k_smooth"] (L, H, D, D), from the scale file."""
-    skipped = spec.skipped(n_layers)
-    wanted = [("k_center", spec.k.center, "centers k: its means"),
-              ("v_center", spec.v.center, "centers v: its means"),
-              ("k_smooth", spec.k.smooth, "smooths k: its maps")]
+    parts = spec.layer_parts(n_layers)
+    wanted = [("k_center", any(k.center for k, _ in parts), "centers k: its means"),
+              ("v_center", any(v.center for _, v in parts), "centers v: its means"),
+              ("k_smooth", any(k.smooth for k, _ in parts), "smooths k: its maps")]
     for name, asked, what in wanted:
         if asked and (centers is None or name not in centers):
             raise SpecError(f"KV spec '{spec}' {what} come from a calibration file "
                             "(tinykv calibrate)")
     out = []
-    for layer in range(n_layers):
+    for layer, (kp, vp) in enumerate(parts):
         t = Transform()
-        if layer not in skipped:
-            if spec.k.rot:
-                t.rk = rotation_matrix(head_dim, 2 * layer)
-            if spec.v.rot:
-                t.rv = rotation_matrix(head_dim, 2 * layer + 1)
-            if spec.k.center:
-                t.mk = centers["k_center"][layer]
-            if spec.v.center:
-                t.mv = centers["v_center"][layer]
-            if spec.k.smooth:
-                s = centers["k_smooth"][layer].double()  # (H, D, D)
-                t.sk = s.float()
-                t.sq = torch.linalg.inv(s).transpose(-1, -2).float()
+        if kp.rot:
+            t.rk = rotation_matrix(head_dim, 2 * layer)
+        if vp.rot:
+            t.rv = rotation_matrix(head_dim, 2 * layer + 1)
+        if kp.center:
+            t.mk = centers["k_center"][layer]
+        if vp.center:
+            t.mv = centers["v_center"][layer]
+        if kp.smooth:
+            s = centers["k_smooth"][layer].double()  # (H, D, D)
+            t.sk = s.float()
+            t.sq = torch.linalg.inv(s).transpose(-1, -2).float()
         out.append(t)
     return out
 

@@ -65,61 +65,78 @@ def load_scales(path: str | Path, cfg: Config, spec: KVSpec) -> dict[str, torch.
         file_spec = KVSpec.parse(meta.get("spec", ""))
     except SpecError as e:
         raise CalibrationError(f"{path}: its metadata holds no valid KV spec ({e})") from None
-    if file_spec.skip != spec.skip:
-        raise CalibrationError(f"{path} was calibrated for skip={file_spec.skip or 'none'}, "
-                               f"not skip={spec.skip or 'none'} (it is for '{file_spec}')")
     if not spec.needs_scales:
         raise CalibrationError(f"--kv-scales given but KV spec '{spec}' has no static, "
                                f"centered or smoothed part ({path}: '{file_spec}')")
-    out = {}
-    for name, p, fp in (("k", spec.k, file_spec.k), ("v", spec.v, file_spec.v)):
-        if p.center:
-            out[f"{name}_center"] = _center_of(path, tensors, name, cfg, fp, file_spec)
-        if p.smooth:
-            out["k_smooth"] = _smooth_of(path, tensors, cfg, p, fp, file_spec)
-        if not p.static:
-            continue  # a dynamic or plain-cast part takes no scales from the file
-        if p != fp:
-            raise CalibrationError(f"{path} holds scales for {name}={fp}, not {name}={p} "
-                                   f"(it is for '{file_spec}')")
-        shape = (cfg.n_layers, *p.scale_shape(cfg.n_kv_heads, 1, cfg.head_dim))
-        kinds = ["scale"] if p.sym else ["scale", "zero"]
-        for kind in kinds:
-            x = tensors.get(f"{name}_{kind}")
-            valid = (x is not None and tuple(x.shape) == shape and bool(x.isfinite().all())
-                     and not (kind == "scale" and bool((x <= 0).any())))
-            if not valid:
-                raise CalibrationError(f"{path}: tensor {name}_{kind} is missing, misshapen "
-                                       f"(want {shape}) or invalid")
-            out[f"{name}_{kind}"] = x.float()
+    wanted: dict[str, QuantParams] = {}  # tensor group -> the part it serves
+    layers = zip(spec.layer_parts(cfg.n_layers), file_spec.layer_parts(cfg.n_layers))
+    for layer, (parts, file_parts) in enumerate(layers):
+        # a per-layer spec (or file) names the layer whose part the file does not serve
+        at = f" at layer {layer}" if spec.per_layer or file_spec.per_layer else ""
+        for name, p, fp in zip("kv", parts, file_parts):
+            _check_part(path, name, p, fp, file_spec, at)
+            for group, asked in (("center", p.center), ("smooth", p.smooth),
+                                 ("scale", p.static)):
+                if asked:
+                    wanted[f"{name}_{group}"] = p
+    out: dict[str, torch.Tensor] = {}
+    for group, p in wanted.items():
+        if group.endswith("_center"):
+            out[group] = _center_of(path, tensors, group, cfg)
+        elif group == "k_smooth":
+            out[group] = _smooth_of(path, tensors, cfg)
+        else:
+            out.update(_static_of(path, tensors, group[0], cfg, p))
     return out
 
 
-def _center_of(path: str | Path, tensors: dict[str, torch.Tensor], name: str, cfg: Config,
-               fp: QuantParams, file_spec: KVSpec) -> torch.Tensor:
-    """The file's means (L, H, D) for a centered part, checked."""
-    if not fp.center:
-        raise CalibrationError(f"{path} holds no means for {name} (it is for '{file_spec}'; "
+def _check_part(path: str | Path, name: str, p: QuantParams, fp: QuantParams,
+                file_spec: KVSpec, at: str) -> None:
+    """The file's part `fp` of one layer's K or V holds what the spec's part `p` takes from it."""
+    if p.center and not fp.center:
+        raise CalibrationError(f"{path} holds no means for {name}{at} (it is for '{file_spec}'; "
                                f"calibrate a spec whose {name} part has :center)")
-    x = tensors.get(f"{name}_center")
+    if p.smooth and not fp.smooth:
+        raise CalibrationError(f"{path} holds no smoothing maps for k{at} (it is for "
+                               f"'{file_spec}'; calibrate a spec whose k part has :smooth)")
+    if p.smooth and fp.center != p.center:
+        fitted = "centered" if fp.center else "uncentered"
+        raise CalibrationError(f"{path} holds smoothing maps fitted to {fitted} keys{at} (it is "
+                               f"for '{file_spec}'); calibrate k={p}")
+    if p.static and p != fp:
+        raise CalibrationError(f"{path} holds scales for {name}={fp}, not {name}={p}{at} (it is "
+                               f"for '{file_spec}')")
+
+
+def _static_of(path: str | Path, tensors: dict[str, torch.Tensor], name: str, cfg: Config,
+               p: QuantParams) -> dict[str, torch.Tensor]:
+    """The file's static scales (and zero points) for K or V, (L, H|1, 1, G) each, checked."""
+    shape = (cfg.n_layers, *p.scale_shape(cfg.n_kv_heads, 1, cfg.head_dim))
+    out = {}
+    for kind in ["scale"] if p.sym else ["scale", "zero"]:
+        x = tensors.get(f"{name}_{kind}")
+        valid = (x is not None and tuple(x.shape) == shape and bool(x.isfinite().all())
+                 and not (kind == "scale" and bool((x <= 0).any())))
+        if not valid:
+            raise CalibrationError(f"{path}: tensor {name}_{kind} is missing, misshapen "
+                                   f"(want {shape}) or invalid")
+        out[f"{name}_{kind}"] = x.float()
+    return out
+
+
+def _center_of(path: str | Path, tensors: dict[str, torch.Tensor], group: str,
+               cfg: Config) -> torch.Tensor:
+    """The file's means (L, H, D) of K or V, checked."""
+    x = tensors.get(group)
     shape = (cfg.n_layers, cfg.n_kv_heads, cfg.head_dim)
     if x is None or tuple(x.shape) != shape or not bool(x.isfinite().all()):
-        raise CalibrationError(f"{path}: tensor {name}_center is missing, misshapen (want "
+        raise CalibrationError(f"{path}: tensor {group} is missing, misshapen (want "
                                f"{shape}) or invalid")
     return x.float()
 
 
-def _smooth_of(path: str | Path, tensors: dict[str, torch.Tensor], cfg: Config, p: QuantParams,
-               fp: QuantParams, file_spec: KVSpec) -> torch.Tensor:
-    """The file's key smoothing maps (L, H, D, D), checked: fitted to keys centered as p's are,
-    finite and invertible."""
-    if not fp.smooth:
-        raise CalibrationError(f"{path} holds no smoothing maps for k (it is for '{file_spec}'; "
-                               "calibrate a spec whose k part has :smooth)")
-    if fp.center != p.center:
-        fitted = "centered" if fp.center else "uncentered"
-        raise CalibrationError(f"{path} holds smoothing maps fitted to {fitted} keys (it is for "
-                               f"'{file_spec}'); calibrate k={p}")
+def _smooth_of(path: str | Path, tensors: dict[str, torch.Tensor], cfg: Config) -> torch.Tensor:
+    """The file's key smoothing maps (L, H, D, D), checked: finite and invertible."""
     x = tensors.get("k_smooth")
     shape = (cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, cfg.head_dim)
     valid = x is not None and tuple(x.shape) == shape and bool(x.isfinite().all())

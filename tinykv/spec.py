@@ -1,228 +1,57 @@
 """The KV spec: one user-facing string that says how keys and values are stored, parsed into
-`KVSpec` (and `QuantParams` per part), printed back canonically, with a one-line error naming the
-bad part of a malformed one. The grammar is in DESIGN.md and the README.
+`KVSpec` (a `QuantParams` per part: formats.py), printed back canonically, with a one-line error
+naming the bad part of a malformed one. The grammar is in DESIGN.md and the README.
 
-SPEC  := PART ("," PART)* ("," OPTION)*
-PART  := ["k=" | "v="] DTYPE [":" GRAN] [":" sym|asym] [":" static|dynamic] [":rot"] [":center"]
-                                                          [":smooth"]
-OPTION:= residual=N | sink=N | skip=L[:L...] | evict=POLICY:N
+SPEC   := PART ("," PART)* ("," LPART)* ("," OPTION)*
+PART   := ["k=" | "v="] FORMAT                   (formats.py; a PART without k=/v= sets both)
+LPART  := ["k" | "v"] "@" LAYERS "=" FORMAT      (those layers' K, V or both in their own format)
+LAYERS := L | A-B (":" L | A-B)*                 (L may be negative: -1 is the last layer)
+OPTION := residual=N | sink=N | skip=LAYERS | evict=POLICY:N
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
+from .formats import (  # noqa: F401  (the spec's names stay importable from here)
+    DTYPES,
+    FP8_MAX,
+    GRANS,
+    TRANSFORMS,
+    QuantParams,
+    SpecError,
+    spec_error,
+)
 
-DTYPES = ("fp32", "fp16", "bf16", "fp8", "int8", "int4", "int2")
-GRANS = ("tensor", "head", "channel", "token")  # plus gN, held as gran="group", group=N
-_FLOAT = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-_BITS = {"fp32": 32, "fp16": 16, "bf16": 16, "fp8": 8, "int8": 8, "int4": 4, "int2": 2}
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
-TRANSFORMS = ("rot", "center", "smooth")  # PART flags applied around the kernels, in order
-_TRANSFORMS = "rot, center or smooth"  # the same, for messages
-
-
-class SpecError(ValueError):
-    """A malformed KV spec; the message is one line naming the bad part."""
-
-
-def _fail(spec: str, why: str, part: str | None = None) -> SpecError:
-    where = f" in {part!r}" if part not in (None, spec) else ""
-    return SpecError(f"bad KV spec {spec!r}: {why}{where}")
-
-
-def _default_gran(dtype: str) -> str:
-    if dtype.startswith("int"):
-        return "token"
-    return "tensor"
-
-
-def _problem(dtype: str, gran: str, group: int, sym: bool, static: bool) -> str | None:
-    """Why these fields are no valid format, or None; shared by parse and the constructor."""
-    if dtype not in DTYPES:
-        return f"unknown dtype {dtype!r} (expected one of {', '.join(DTYPES)})"
-    if gran not in GRANS + ("group",) or (gran == "group") != (group > 0):
-        return f"bad granularity {gran!r} (expected {'|'.join(GRANS)}|gN with N > 0)"
-    if dtype in _FLOAT and (gran, sym, static) != ("tensor", True, False):
-        return f"{dtype} is stored by plain cast and takes no options but {_TRANSFORMS}"
-    if dtype == "fp8" and not sym:
-        return "fp8 supports sym only"
-    if static and gran in ("token", "group"):
-        return f"static needs tensor/head/channel scales (per-{gran} scales cannot be calibrated)"
-    return None
-
-
-def _option_key(opt: str) -> str | None:
-    """Which field a PART option sets."""
-    if opt in GRANS or opt.startswith("g"):
-        return "gran"
-    if opt in ("sym", "asym"):
-        return "sym"
-    if opt in ("static", "dynamic"):
-        return "static"
-    if opt in TRANSFORMS:
-        return opt
-    return None
+EVICT_POLICIES = ("streaming", "knorm", "snapkv", "h2o")
+FP32 = QuantParams("fp32")
 
 
 @dataclass(frozen=True)
-class QuantParams:
-    """How one of K or V is stored. Float dtypes are a plain cast (gran "tensor", sym, dynamic).
-    `rot`: a seeded orthogonal rotation per KV head before quantizing (rotation_matrix).
-    `center`: a calibrated per-channel mean subtracted before storing (quant.Transform).
-    `smooth` (keys only): a calibrated per-head linear map on keys, its inverse on queries, that
-    puts the keys' quantization error where queries look least (quant.Transform)."""
+class LayerPart:
+    """`k@LAYERS=FORMAT`, `v@LAYERS=FORMAT` or `@LAYERS=FORMAT`: the listed layers store their
+    keys, values or both in their own format (a pool group of their own, pools.py); negative
+    layers count from the end, as in skip=."""
 
-    dtype: str
-    gran: str = ""  # tensor | head | channel | token | group; "" = the dtype's default
-    group: int = 0  # channels per group when gran == "group", else 0
-    sym: bool = True
-    static: bool = False
-    rot: bool = False
-    center: bool = False
-    smooth: bool = False
+    which: str  # "k", "v" or "kv"
+    layers: tuple[int, ...]
+    p: QuantParams
 
-    def __post_init__(self) -> None:
-        if not self.gran:
-            object.__setattr__(self, "gran", _default_gran(self.dtype))
-        # Every instance is valid and canonical, so str() always round-trips through parse().
-        why = _problem(self.dtype, self.gran, self.group, self.sym, self.static)
-        if why:
-            raise _fail(str(self), why)
-
-    @classmethod
-    def parse(cls, part: str, spec: str | None = None) -> QuantParams:
-        """Parse 'DTYPE[:GRAN][:sym|asym][:static|dynamic][:rot][:center][:smooth]' (no k=/v=
-        prefix)."""
-        spec = part if spec is None else spec
-        dtype, *opts = (t.strip() for t in part.split(":"))
-        if dtype in _FLOAT and not set(opts) <= set(TRANSFORMS):
-            raise _fail(spec, f"{dtype} is stored by plain cast and takes no options but "
-                        f"{_TRANSFORMS}", part)
-        kw: dict = {}
-        for o in opts:
-            key = _option_key(o)
-            if key is None:
-                raise _fail(spec, f"unknown option {o!r} (expected {'|'.join(GRANS)}|gN, "
-                            f"sym|asym, static|dynamic, {_TRANSFORMS})", part)
-            if key in kw:
-                raise _fail(spec, f"{key} given twice", part)
-            kw[key] = o if key == "gran" else o in ("sym", "static", *TRANSFORMS)
-        gran, group = kw.get("gran", _default_gran(dtype)), 0
-        if gran not in GRANS:  # gN
-            digits = gran[1:]
-            if not (digits.isascii() and digits.isdigit() and int(digits) > 0):
-                raise _fail(spec, f"bad group size {gran!r} (expected gN with N > 0)", part)
-            gran, group = "group", int(digits)
-        fields = (dtype, gran, group, kw.get("sym", True), kw.get("static", False))
-        why = _problem(*fields)
-        if why:
-            raise _fail(spec, why, part)
-        return cls(*fields, *(kw.get(t, False) for t in TRANSFORMS))
+    @property
+    def prefix(self) -> str:
+        """What comes before '@': k, v, or nothing for both."""
+        return "" if self.which == "kv" else self.which
 
     def __str__(self) -> str:
-        out = self.dtype
-        if self.gran == "group":
-            out += f":g{self.group}"
-        elif self.gran != _default_gran(self.dtype):
-            out += f":{self.gran}"
-        if not self.sym:
-            out += ":asym"
-        if self.static:
-            out += ":static"
-        if self.rot:
-            out += ":rot"
-        if self.center:
-            out += ":center"
-        if self.smooth:
-            out += ":smooth"
-        return out
-
-    def check(self, head_dim: int) -> None:
-        """Raise SpecError unless rows of head_dim channels fit this format (groups, packing)."""
-        if head_dim % max(self.group, 1) or head_dim % self.per_byte:
-            raise _fail(str(self), f"head_dim {head_dim} is not a multiple of the group size "
-                        f"{self.group} / values per byte {self.per_byte}")
-
-    @property
-    def is_float(self) -> bool:
-        return self.dtype in _FLOAT
-
-    @property
-    def bits(self) -> int:
-        return _BITS[self.dtype]
-
-    @property
-    def per_byte(self) -> int:
-        """Values per stored element: int4 and int2 codes are packed into bytes."""
-        return {"int4": 2, "int2": 4}.get(self.dtype, 1)
-
-    @property
-    def offset(self) -> float:
-        """Stored code minus offset is the signed value: sym int4/int2 codes are stored unsigned.
-        Sym int2 is midrise (qmax)."""
-        if self.sym and self.dtype == "int2":
-            return 1.5
-        if self.sym and self.per_byte > 1:
-            return 2 ** (self.bits - 1)
-        return 0
-
-    @property
-    def qmax(self) -> float:
-        """Largest value in steps: the signed range (sym), the code range (asym), 448 for fp8.
-        Sym int8/int4 keep a zero level (-qmax..qmax: 255 and 15 levels). Sym int2 does not: a
-        zero level would leave 3 of its 4 codes, so it is midrise, -1.5, -0.5, 0.5, 1.5 steps."""
-        if self.is_float:
-            return 0
-        if self.dtype == "fp8":
-            return int(FP8_MAX)
-        if self.sym and self.dtype == "int2":
-            return 1.5
-        if self.sym:
-            return 2 ** (self.bits - 1) - 1
-        return 2**self.bits - 1
-
-    @property
-    def qmin(self) -> float:
-        return -self.qmax if self.sym else 0
-
-    @property
-    def storage_dtype(self) -> torch.dtype:
-        if self.is_float:
-            return _FLOAT[self.dtype]
-        if self.dtype == "fp8":
-            return torch.float8_e4m3fn
-        if self.dtype == "int8" and self.sym:
-            return torch.int8
-        return torch.uint8
-
-    @property
-    def block_wise(self) -> bool:
-        """Scales shared across tokens, computed dynamically: once per block, when it fills."""
-        shared = self.gran in ("tensor", "head", "channel")
-        return shared and not self.static and not self.is_float
-
-    def ngroups(self, head_dim: int) -> int:
-        return {"group": head_dim // max(self.group, 1), "channel": head_dim}.get(self.gran, 1)
-
-    def scale_shape(self, n_heads: int, tokens: int, head_dim: int) -> tuple[int, int, int] | None:
-        """Shape of scale (and zero) for an (n_heads, tokens, head_dim) tensor; None: no scales."""
-        if self.is_float:
-            return None
-        h = 1 if self.gran == "tensor" else n_heads
-        t = tokens if self.gran in ("token", "group") else 1
-        return (h, t, self.ngroups(head_dim))
-
-
-EVICT_POLICIES = ("streaming", "knorm", "snapkv", "h2o")
+        return f"{self.prefix}@{layer_list(self.layers)}={self.p}"
 
 
 @dataclass(frozen=True)
 class KVSpec:
-    """A parsed KV spec: how K and V are stored; how many first (sink) and recent (residual)
-    tokens stay in full precision; which layers skip quantization (negative: from the end); and
-    an eviction policy with its token budget per sequence and KV head."""
+    """A parsed KV spec: how K and V are stored (`k`, `v`; `per_layer` parts override them at
+    chosen layers); how many first (sink) and recent (residual) tokens stay in full precision;
+    which layers skip quantization (negative: from the end); and an eviction policy with its
+    token budget per sequence and KV head."""
 
     k: QuantParams
     v: QuantParams
@@ -231,106 +60,201 @@ class KVSpec:
     skip: tuple[int, ...] = ()
     evict: str = ""  # a policy of EVICT_POLICIES, or "" for none
     budget: int = 0  # tokens kept per sequence and KV head under `evict`
+    per_layer: tuple[LayerPart, ...] = ()
 
     def __post_init__(self) -> None:
         if min(self.residual, self.sink, self.budget) < 0:
             raise SpecError(f"bad KV spec {str(self)!r}: residual, sink and budgets must be >= 0")
         if bool(self.evict) != (self.budget > 0) or self.evict not in ("",) + EVICT_POLICIES:
             raise SpecError(f"bad KV spec {str(self)!r}: evict needs a policy and a budget > 0")
-        if self.v.smooth:
+        if any(p.smooth for p in self.value_parts):
             raise SpecError(f"bad KV spec {str(self)!r}: smooth is for keys only (it weighs key "
                             "error by the queries; write k=...:smooth)")
+        # Indices as written: a clash is an error before any model is known; the same layer
+        # written two ways (-1 and 29) is caught by layer_parts.
+        self._assign({i: i for lp in self.per_layer for i in lp.layers}, set(self.skip))
 
     @classmethod
     def parse(cls, s: str) -> KVSpec:
         parts: dict[str, QuantParams] = {}  # "k"/"v", plus "k="/"v=" once set explicitly
+        per_layer: list[LayerPart] = []
         opts: dict = {}
         for item in (t.strip() for t in s.split(",")):
             key, eq, val = (t.strip() for t in item.partition("="))
             if not item:
-                raise _fail(s, "empty spec" if not s.strip() else "empty part (stray comma?)")
-            if eq and key not in ("k", "v"):
+                raise spec_error(s, "empty spec" if not s.strip() else "empty part (stray comma?)")
+            if eq and key not in ("k", "v") and "@" not in key:
                 if key in opts:
-                    raise _fail(s, f"{key} given twice", item)
+                    raise spec_error(s, f"{key} given twice", item)
                 opts.update(_parse_option(s, item, key, val))
                 continue
             if opts:
-                raise _fail(s, "options must come after the parts", item)
+                raise spec_error(s, "options must come after the parts", item)
+            if "@" in key:
+                per_layer.append(_parse_layer_part(s, item, key, val))
+                continue
             targets = (key,) if eq else ("k", "v")
             qp = QuantParams.parse(val if eq else item, s)  # first: a typo is named as one
+            if per_layer:
+                raise spec_error(s, "per-layer parts (k@..., v@..., @...) come after the k/v "
+                                 "parts", item)
             # A bare part sets both, so it must come first; each k=/v= may then override it once.
             if (not eq and parts) or any(t + "=" in parts for t in targets):
-                raise _fail(s, f"{'/'.join(targets)} set twice", item)
+                raise spec_error(s, f"{'/'.join(targets)} set twice", item)
             for t in targets:
                 parts[t] = qp
                 if eq:
                     parts[t + "="] = qp
         missing = [t for t in ("k", "v") if t not in parts]
         if missing:
-            raise _fail(s, f"{missing[0]} is never set (add {missing[0]}=DTYPE or a part "
-                        "without k=/v=)")
-        return cls(parts["k"], parts["v"], **opts)
+            raise spec_error(s, f"{missing[0]} is never set (add {missing[0]}=DTYPE or a part "
+                             "without k=/v=)")
+        try:
+            return cls(parts["k"], parts["v"], per_layer=tuple(per_layer), **opts)
+        except SpecError as e:  # a clash between parts: name the spec as the user wrote it
+            raise spec_error(s, str(e).partition(": ")[2]) from None
 
     def __str__(self) -> str:
         if self.k == self.v:
             out = [str(self.k)]
         else:
             out = [f"k={self.k}", f"v={self.v}"]
+        out += [str(lp) for lp in self.per_layer]
         if self.residual:
             out.append(f"residual={self.residual}")
         if self.sink:
             out.append(f"sink={self.sink}")
         if self.skip:
-            out.append("skip=" + ":".join(str(i) for i in self.skip))
+            out.append("skip=" + layer_list(self.skip))
         if self.evict:
             out.append(f"evict={self.evict}:{self.budget}")
         return ",".join(out)
+
+    # ---- what the parts ask for, over every layer ---------------------------------------------
+    @property
+    def key_parts(self) -> tuple[QuantParams, ...]:
+        """Every format some layer's keys may take (skipped layers aside)."""
+        return (self.k, *(lp.p for lp in self.per_layer if "k" in lp.which))
+
+    @property
+    def value_parts(self) -> tuple[QuantParams, ...]:
+        return (self.v, *(lp.p for lp in self.per_layer if "v" in lp.which))
 
     @property
     def needs_scales(self) -> bool:
         """Static parts take their scales, centered parts their means, smoothed keys their maps,
         from a calibration file."""
-        return self.k.static or self.v.static or self.k.center or self.v.center or self.k.smooth
+        parts = self.key_parts + self.value_parts
+        return any(p.static or p.center for p in parts) or any(p.smooth for p in self.key_parts)
 
     @property
     def is_float(self) -> bool:
-        return self.k.is_float and self.v.is_float
+        return all(p.is_float for p in self.key_parts + self.value_parts)
+
+    @property
+    def block_wise(self) -> bool:
+        """Some layer's format shares scales across a block's tokens (computed as it fills)."""
+        return any(p.block_wise for p in self.key_parts + self.value_parts)
 
     def skipped(self, n_layers: int) -> set[int]:
         """The layers kept at the model's dtype, negative indices resolved."""
-        out = set()
-        for i in self.skip:
-            if not -n_layers <= i < n_layers:
-                raise SpecError(f"bad KV spec {str(self)!r}: skip={i} is outside the model's "
-                                f"{n_layers} layers")
-            out.add(i % n_layers)
+        return {self._resolve(i, n_layers, f"skip={i}") for i in self.skip}
+
+    def layer_parts(self, n_layers: int, full: QuantParams = FP32
+                    ) -> list[tuple[QuantParams, QuantParams]]:
+        """(K format, V format) of every layer: `full` (the model's dtype) where skipped, a
+        per-layer part where one names the layer, else the spec's k and v."""
+        resolved = {}
+        for lp in self.per_layer:
+            for i in lp.layers:
+                resolved[i] = self._resolve(i, n_layers, f"{lp.prefix}@{i}")
+        assigned = self._assign(resolved, self.skipped(n_layers))
+        out = []
+        for layer in range(n_layers):
+            kp, vp = assigned.get((layer, "k"), self.k), assigned.get((layer, "v"), self.v)
+            out.append((full, full) if (layer, "skip") in assigned else (kp, vp))
         return out
+
+    def _resolve(self, i: int, n_layers: int, written: str) -> int:
+        if not -n_layers <= i < n_layers:
+            raise SpecError(f"bad KV spec {str(self)!r}: {written} is outside the model's "
+                            f"{n_layers} layers")
+        return i % n_layers
+
+    def _assign(self, resolved: dict[int, int], skipped: set[int]) -> dict:
+        """(layer, "k"|"v") -> the per-layer part's format, (layer, "skip") for skipped layers;
+        a layer given two formats for K or V, or skipped and given one, is an error."""
+        out: dict = {(layer, "skip"): None for layer in skipped}
+        for lp in self.per_layer:
+            for i in lp.layers:
+                layer = resolved[i]
+                for which in lp.which:
+                    clash = (layer, which) in out or (layer, "skip") in out
+                    if clash:
+                        what = "skipped and given a part" if (layer, "skip") in out else \
+                            f"given two {which} parts"
+                        raise SpecError(f"bad KV spec {str(self)!r}: layer {i} is {what}")
+                    out[(layer, which)] = lp.p
+        return out
+
+
+def layer_list(layers: tuple[int, ...]) -> str:
+    """Layers as written in a spec: ':'-separated, a run of 3 or more ascending ones as A-B."""
+    out, i = [], 0
+    while i < len(layers):
+        j = i
+        while j + 1 < len(layers) and layers[i] >= 0 and layers[j + 1] == layers[j] + 1:
+            j += 1
+        if j - i >= 2:
+            out.append(f"{layers[i]}-{layers[j]}")
+        else:
+            out += [str(x) for x in layers[i:j + 1]]
+        i = j + 1
+    return ":".join(out)
+
+
+def _parse_layers(s: str, item: str, text: str) -> tuple[int, ...]:
+    """'0:1:5-9:-1' -> (0, 1, 5, 6, 7, 8, 9, -1); each layer once."""
+    layers: list[int] = []
+    for t in (t.strip() for t in text.split(":")):
+        lo, dash, hi = t.partition("-")
+        ok = lo.isascii() and lo.isdigit() and (not dash or (hi.isascii() and hi.isdigit()))
+        if not lo and dash:  # a negative index: -1 is the last layer
+            ok, lo, dash = hi.isascii() and hi.isdigit(), t, ""
+        if not ok or (dash and int(hi) < int(lo)):
+            raise spec_error(s, f"bad layers {t!r} (expected L, -L or A-B with A <= B, "
+                             "joined by ':', e.g. 0:1:5-9:-1)", item)
+        for layer in range(int(lo), int(hi) + 1) if dash else [int(lo)]:
+            if layer in layers:
+                raise spec_error(s, f"layer {layer} listed twice", item)
+            layers.append(layer)
+    return tuple(layers)
+
+
+def _parse_layer_part(s: str, item: str, key: str, val: str) -> LayerPart:
+    """k@LAYERS=FORMAT, v@LAYERS=FORMAT or @LAYERS=FORMAT."""
+    which, _, layers = (t.strip() for t in key.partition("@"))
+    if which not in ("", "k", "v") or not val:
+        raise spec_error(s, "a per-layer part is k@LAYERS=FORMAT, v@LAYERS=FORMAT or "
+                         "@LAYERS=FORMAT (e.g. k@0:1=int4:rot)", item)
+    return LayerPart(which or "kv", _parse_layers(s, item, layers), QuantParams.parse(val, s))
 
 
 def _parse_option(s: str, item: str, key: str, val: str) -> dict:
     """One OPTION of a spec (residual=N, sink=N, skip=L:L, evict=POLICY:N) as KVSpec fields."""
     if key in ("residual", "sink"):
         if not (val.isascii() and val.isdigit()):
-            raise _fail(s, f"{key} needs an integer >= 0", item)
+            raise spec_error(s, f"{key} needs an integer >= 0", item)
         return {key: int(val)}
     if key == "skip":
-        layers = []
-        for t in val.split(":"):
-            t = t.strip()
-            body = t.removeprefix("-")
-            if not (body.isascii() and body.isdigit()):
-                raise _fail(s, "skip needs layer indices, e.g. skip=0:1:-1", item)
-            if int(t) in layers:
-                raise _fail(s, f"layer {int(t)} skipped twice", item)
-            layers.append(int(t))
-        return {"skip": tuple(layers)}
+        return {"skip": _parse_layers(s, item, val)}
     if key == "evict":
         policy, _, n = (t.strip() for t in val.partition(":"))
         if policy not in EVICT_POLICIES:
-            raise _fail(s, f"unknown eviction policy {policy!r} (expected "
-                        f"{'|'.join(EVICT_POLICIES)})", item)
+            raise spec_error(s, f"unknown eviction policy {policy!r} (expected "
+                             f"{'|'.join(EVICT_POLICIES)})", item)
         if not (n.isascii() and n.isdigit() and int(n) > 0):
-            raise _fail(s, "evict needs a token budget > 0, e.g. evict=snapkv:1024", item)
+            raise spec_error(s, "evict needs a token budget > 0, e.g. evict=snapkv:1024", item)
         return {"evict": policy, "budget": int(n)}
-    raise _fail(s, f"unknown option {key!r} (expected residual=N, sink=N, skip=L:L or "
-                "evict=POLICY:N)", item)
+    raise spec_error(s, f"unknown option {key!r} (expected residual=N, sink=N, skip=L:L or "
+                     "evict=POLICY:N)", item)
