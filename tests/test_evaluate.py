@@ -11,7 +11,13 @@ from test_cache import tiny
 
 from tinykv.cache import make_cache
 from tinykv.cli import main
-from tinykv.evaluate import as_stored, attention_error, perplexity, reference_perplexity
+from tinykv.evaluate import (
+    as_stored,
+    attention_error,
+    compare,
+    perplexity,
+    reference_perplexity,
+)
 from tinykv.spec import KVSpec, QuantParams
 
 
@@ -87,6 +93,38 @@ def test_result_fields(model_text):
     assert res.kv == kivi
     # the windows were freed
     assert res.kv_bytes_per_token == cache.bytes_per_token and cache.tables.used_blocks() == 0
+
+
+def test_kl_and_top1_against_the_uncached_model(model_text):
+    """KL(model || cache) and top-1 agreement of each prediction, checked against torch's kl_div
+    over whole windows run uncached and through the cache (one chunk: the same predictions)."""
+    m, toks = model_text
+    toks = toks[:200]
+    caches = [make_cache(m.cfg, KVSpec.parse(s), tokens=128, max_seqs=1, max_step_tokens=128)
+              for s in ("fp32", "int4", "int2")]
+    exact, int4, int2 = compare(m, caches, toks, window=128, chunk=128)
+    assert exact.kl == pytest.approx(0, abs=1e-6) and exact.top1 == 1.0
+    assert exact.ref_ppl == pytest.approx(exact.ppl, rel=1e-5) and exact.delta_se < 1e-5
+    assert 0 < int4.kl < int2.kl and int2.top1 < 1.0
+    want_kl = want_agree = 0.0
+    with torch.inference_mode():
+        for start in (0, 128):
+            win = toks[start:start + 128]
+            ref = m(torch.tensor([win]))[0][:-1].log_softmax(-1)  # (W - 1, V)
+            cache = make_cache(m.cfg, KVSpec.parse("int2"), tokens=128, max_seqs=1,
+                               max_step_tokens=128)
+            cache.add_sequence(0)
+            plan = cache.plan([0], [win], logits="all")
+            got = m(torch.tensor(win), plan)[:-1].log_softmax(-1)
+            want_kl += torch.nn.functional.kl_div(got, ref, log_target=True,
+                                                  reduction="sum").item()
+            want_agree += (got.argmax(-1) == ref.argmax(-1)).sum().item()
+    assert int2.kl == pytest.approx(want_kl / int2.tokens, rel=1e-4)
+    assert int2.top1 == want_agree / int2.tokens
+    assert int2.ppl == perplexity(m, caches[2], toks, window=128, chunk=128).ppl  # same path
+    # chunked: the same number of predictions, each compared with the model's
+    chunked = compare(m, caches[1:2], toks, window=128, chunk=16)[0]
+    assert chunked.tokens == int4.tokens and chunked.kl > 0
 
 
 def test_as_stored_is_the_quantizer():

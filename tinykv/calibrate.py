@@ -287,14 +287,21 @@ def calibrated(model: Transformer, tokens: list[int], spec: KVSpec, observer: st
     check_request(spec, observer)
     smooth = any(p.smooth for p in spec.key_parts)
     rec = record(model, tokens, window, keep_q=smooth, progress=progress)
+    return scales_from(rec, spec, observer)
+
+
+def scales_from(rec: Recorder, spec: KVSpec, observer: str = "minmax"
+                ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+    """What `calibrated` returns, from a recording (with queries when a key part smooths)."""
     k, v = rec.stacked("k"), rec.stacked("v")  # (L, H, T, D) each, as the model makes them
     out = centers_of(k, v, spec)
-    if smooth:  # S is fitted to the keys as it meets them: after centering (every layer's)
+    if any(p.smooth for p in spec.key_parts):  # fitted to the keys as S meets them: centered
         centered = torch.stack([k[i] - out["k_center"][i, :, None] if kp.center else k[i]
                                 for i, (kp, _) in enumerate(spec.layer_parts(len(k)))])
         weight = stored_attention(rec, spec.sink, spec.residual)  # (L, H, T)
         out["k_smooth"] = smooth_maps(centered, rec.stacked("q"), weight)
-    transforms = layer_transforms(spec, model.cfg.n_layers, model.cfg.head_dim, out)
+    L, D = k.shape[0], k.shape[-1]
+    transforms = layer_transforms(spec, L, D, out)
     k, v = as_cached(k, "k", transforms), as_cached(v, "v", transforms)
     if any(p.static for p in spec.key_parts + spec.value_parts):
         out.update(static_scales(k, v, spec, observer))

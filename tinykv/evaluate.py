@@ -51,7 +51,8 @@ class EvalError(ValueError):
 
 @dataclass
 class EvalResult:
-    """One perplexity measurement under one KV spec."""
+    """One perplexity measurement under one KV spec; with the model's own (uncached) predictions
+    as reference, their KL divergence and top-1 agreement."""
     kv: str  # the spec, canonical
     ppl: float
     nll: float  # mean negative log-likelihood per predicted token, nats
@@ -63,6 +64,24 @@ class EvalResult:
     kv_bytes_per_token: float
     saturated: int  # values clipped by static scales
     seconds: float
+    kl: float | None = None  # mean KL(model || cache) per predicted token, nats
+    top1: float | None = None  # share of predictions whose likeliest token is the model's
+    ref_ppl: float | None = None  # the uncached model's perplexity over the same windows
+    # standard error of the mean per-token NLL change from the reference, nats: ppl / ref_ppl is
+    # exp(nll - ref_nll) within about exp(+-delta_se)
+    delta_se: float | None = None
+
+
+@dataclass
+class _Tally:
+    """Sums over one cache's predictions."""
+    nll: float = 0.0
+    n: int = 0
+    kl: float = 0.0
+    agree: int = 0
+    ref_nll: float = 0.0
+    delta_sq: float = 0.0  # sum of squared per-token NLL changes
+    seconds: float = 0.0
 
 
 def tokens_of(text: str, model_dir: str | Path, offset: int = 0,
@@ -96,34 +115,82 @@ def _nll_sum(logits: torch.Tensor, targets: list[int]) -> float:
 
 
 def perplexity(model: Transformer, cache: PagedKVCache, tokens: list[int], window: int = 1024,
-               chunk: int = 256, progress: bool = False) -> EvalResult:
-    """Perplexity of tokens with every window fed through `cache` (see the module docstring)."""
+               chunk: int = 256, progress: bool = False, reference: bool = False) -> EvalResult:
+    """Perplexity of tokens with every window fed through `cache` (see the module docstring);
+    with `reference`, also KL and top-1 agreement against the uncached model."""
+    return compare(model, [cache], tokens, window, chunk, progress, reference)[0]
+
+
+def compare(model: Transformer, caches: list[PagedKVCache], tokens: list[int], window: int = 1024,
+            chunk: int = 256, progress: bool = False, reference: bool = True) -> list[EvalResult]:
+    """Perplexity under each cache, every one fed the same windows. With `reference`, each
+    window also goes once through the uncached model (which an fp32 cache equals to float
+    precision), and each prediction's next-token distribution is compared with the model's:
+    KL(model || cache) and whether their likeliest tokens agree."""
     if chunk < 1:
         raise EvalError(f"chunk {chunk} must be >= 1")
     wins = _windows(model, tokens, window)
     dev = next(model.parameters()).device
-    t0, nll, n = time.perf_counter(), 0.0, 0
-    bar = tqdm(total=sum(len(w) for w in wins), desc=f"eval {cache.spec}", unit="tok",
-               disable=not progress)
+    tallies = [_Tally() for _ in caches]
+    bar = tqdm(total=len(caches) * sum(len(w) for w in wins), unit="tok", disable=not progress,
+               desc=f"eval {', '.join(str(c.spec) for c in caches)}"[:60])
     for win in wins:
-        cache.add_sequence(0)
-        for start in range(0, len(win), chunk):
-            feed = win[start:start + chunk]
-            plan = cache.plan([0], [feed], logits="all")
-            logits = model(torch.tensor(feed, device=dev), plan)  # (len(feed), V)
-            cache.commit(plan)
-            # the next token of each fed one, inside the window
-            targets = win[start + 1:start + chunk + 1]
-            nll += _nll_sum(logits, targets)
-            n += len(targets)
-            bar.update(len(feed))
-        cache.free(0)
+        ref = None
+        if reference:
+            ref = model(torch.tensor([win], device=dev))[0].float().log_softmax(-1)  # (W, V)
+        for cache, tally in zip(caches, tallies):
+            t0 = time.perf_counter()
+            _feed(model, cache, win, chunk, ref, tally)
+            tally.seconds += time.perf_counter() - t0
+            bar.update(len(win))
     bar.close()
-    if not math.isfinite(nll):
+    return [_result(cache, t, len(wins), window, chunk, reference)
+            for cache, t in zip(caches, tallies)]
+
+
+def _feed(model: Transformer, cache: PagedKVCache, win: list[int], chunk: int,
+          ref: torch.Tensor | None, tally: _Tally) -> None:
+    """One window through the cache, C tokens a step; its predictions added to `tally`."""
+    dev = next(model.parameters()).device
+    cache.add_sequence(0)
+    for start in range(0, len(win), chunk):
+        feed = win[start:start + chunk]
+        plan = cache.plan([0], [feed], logits="all")
+        logits = model(torch.tensor(feed, device=dev), plan)  # (len(feed), V)
+        cache.commit(plan)
+        targets = win[start + 1:start + chunk + 1]  # the next token of each fed one, in the window
+        tally.nll += _nll_sum(logits, targets)
+        tally.n += len(targets)
+        if ref is not None and targets:
+            _against(logits[:len(targets)], ref[start:start + len(targets)], targets, tally)
+    cache.free(0)
+
+
+def _against(logits: torch.Tensor, ref: torch.Tensor, targets: list[int], tally: _Tally) -> None:
+    """Compare predictions (n, V) with the model's log-probabilities ref (n, V)."""
+    logp = logits.float().log_softmax(-1)  # (n, V)
+    tally.kl += (ref.exp() * (ref - logp)).sum(-1).double().sum().item()
+    tally.agree += int((ref.argmax(-1) == logp.argmax(-1)).sum())
+    rows = torch.arange(len(targets))
+    t = torch.tensor(targets, device=ref.device)
+    delta = (ref[rows, t] - logp[rows, t]).double()  # (n,) NLL change of each prediction
+    tally.ref_nll -= ref[rows, t].double().sum().item()
+    tally.delta_sq += (delta * delta).sum().item()
+
+
+def _result(cache: PagedKVCache, t: _Tally, windows: int, window: int, chunk: int,
+            reference: bool) -> EvalResult:
+    if not math.isfinite(t.nll):
         raise EvalError(f"perplexity under '{cache.spec}' is not finite: the cache overflowed or "
                         "its scales are unusable")
-    return EvalResult(str(cache.spec), math.exp(nll / n), nll / n, n, len(wins), window, chunk,
-                      cache.bytes_per_token, cache.saturated, time.perf_counter() - t0)
+    out = EvalResult(str(cache.spec), math.exp(t.nll / t.n), t.nll / t.n, t.n, windows, window,
+                     chunk, cache.bytes_per_token, cache.saturated, t.seconds)
+    if reference:
+        mean = (t.nll - t.ref_nll) / t.n
+        var = max(t.delta_sq / t.n - mean * mean, 0.0)
+        out.kl, out.top1 = t.kl / t.n, t.agree / t.n
+        out.ref_ppl, out.delta_se = math.exp(t.ref_nll / t.n), math.sqrt(var / t.n)
+    return out
 
 
 def reference_perplexity(model: Transformer, tokens: list[int], window: int = 1024) -> float:

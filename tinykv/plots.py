@@ -67,3 +67,32 @@ def plot_channels(k: torch.Tensor, v: torch.Tensor, path: str | Path, n_layers: 
                    ylabel="absmax")
     fig.tight_layout()
     save_figure(fig, path)
+
+
+def plot_budget(choice, measured, path: str | Path) -> None:
+    """PNG of `budget.choose`'s choice: per layer, the KL of every candidate (lines) and the one
+    chosen (a ring), keys above, values below; `measured` is the spec's end-to-end EvalResult."""
+    plt = pyplot()
+    fig, axes = plt.subplots(2, 1, figsize=(11, 7), sharex=True)
+    n_layers = 1 + max(s.layer for s in choice.sens)
+    for ax, which, name in zip(axes, "kv", ("keys", "values")):
+        parts = sorted({s.part for s in choice.sens if s.which == which},
+                       key=lambda p: next(s.bits for s in choice.sens if s.part == p))
+        for p in parts:
+            rows = sorted((s for s in choice.sens if (s.which, s.part) == (which, p)),
+                          key=lambda s: s.layer)
+            bits = rows[0].bits
+            ax.plot([s.layer for s in rows], [max(s.kl, 1e-7) for s in rows], marker=".",
+                    label=f"{p} ({bits:.2f} bits)")
+        picked = [choice.chosen[(layer, which)] for layer in range(n_layers)]
+        ax.scatter(range(n_layers), [max(s.kl, 1e-7) for s in picked], s=90,
+                   facecolors="none", edgecolors="black", linewidths=1.5, label="chosen")
+        ax.set(yscale="log", ylabel=f"KL when only its {name} are lowered (nats)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="upper right")
+    axes[1].set_xlabel("layer")
+    change = 100 * (measured.ppl / measured.ref_ppl - 1)
+    fig.suptitle(f"{choice.bits:.2f} bits/element: summed KL {choice.predicted_kl:.4f}, "
+                 f"measured {measured.kl:.4f} (perplexity {change:+.2f}%)", fontsize=10)
+    fig.tight_layout()
+    save_figure(fig, path)

@@ -254,6 +254,8 @@ def cmd_calibrate(args) -> None:
     from ..calibrate import calibrate_to_file, check_request, vllm_scheme_path
     from ..evaluate import tokens_of
 
+    if args.bits is not None:
+        return cmd_calibrate_bits(args)
     check_request(args.kv, args.observer, vllm=bool(args.vllm_out))
     if args.vllm_out:  # written beside --vllm-out: no input, nor another output, either
         check_io(args, {"--vllm-out's kv_cache_scheme": vllm_scheme_path(args.vllm_out)})
@@ -275,6 +277,44 @@ def check_io(args, derived: dict[str, str | Path]) -> None:
     check_outputs({**outputs, **derived}, inputs, make_folders=args.cmd == "bench")
 
 
+def cmd_calibrate_bits(args) -> None:
+    """calibrate --bits: each layer's formats chosen to the budget, confirmed end to end through
+    the cache on the probe tokens, printed as a table and a spec, written with its scales."""
+    from .. import budget
+    from ..evaluate import compare, tokens_of
+    from ..plots import plot_budget
+    from ..scalefile import save_scales
+
+    budget.check_base(args.kv)
+    candidates = budget.parse_candidates(args.candidates or list(budget.DEFAULT_CANDIDATES))
+    if args.vllm_out:
+        raise UsageError("--bits writes per-layer formats, which vLLM cannot serve: drop "
+                         "--vllm-out")
+    plot = args.plot or str(Path(args.out).with_suffix(".png"))
+    check_io(args, {"--plot": plot})
+    model, path = load_model(args)
+    window = window_of(args, model)
+    tokens = tokens_of(args.text_body, path, args.offset, args.max_tokens)
+    probe = tokens[:args.probe_tokens]
+    choice = budget.choose(model, tokens, probe, args.kv, candidates, args.bits, args.context,
+                           window, progress=True)
+    print(budget.table(choice.chosen, choice.sens, model.cfg.n_layers))
+    with make_cache(model.cfg, choice.spec, tokens=window, scales=choice.scales or None,
+                    max_step_tokens=16) as cache:
+        measured = compare(model, [cache], probe, window, 16, progress=True)[0]
+    if choice.scales:
+        save_scales(args.out, choice.scales, model.cfg, choice.spec, args.observer, len(tokens))
+    plot_budget(choice, measured, plot)
+    change = 100 * (measured.ppl / measured.ref_ppl - 1)
+    print(f"[tinykv] spec, {choice.bits:.3f} bits/element all in at {args.context} tokens: "
+          f"{choice.spec}")
+    print(f"[tinykv] summed KL of its layers {choice.predicted_kl:.4f}; through the cache on the "
+          f"{measured.tokens} probe predictions (chunk 16): KL {measured.kl:.4f}, top-1 "
+          f"{measured.top1:.3f}, ppl {measured.ppl:.3f} ({change:+.2f}%)")
+    wrote = f"{args.out} (its scales), " if choice.scales else "no scale file (none needed), "
+    print(f"[tinykv] wrote {wrote}{plot}")
+
+
 def cmd_eval(args) -> None:
     from .. import evaluate
 
@@ -291,10 +331,12 @@ def cmd_eval(args) -> None:
             cache = open_cache(stack, model, args, spec, window, 1, args.chunk)
             if not spec.evict:  # a window is fed whole (eviction compacts every chunk)
                 check_fits(cache, args, window, f"--window {window}")
-            r = evaluate.perplexity(model, cache, tokens, window, args.chunk, progress=True)
+            r = evaluate.perplexity(model, cache, tokens, window, args.chunk, progress=True,
+                                    reference=True)
         results.append(r)
-        print(f"[tinykv] {r.kv}: ppl {r.ppl:.4f}, {r.kv_bytes_per_token:.0f} KV bytes/token, "
-              f"{r.tokens} tokens, {r.seconds:.0f} s", file=sys.stderr)
+        print(f"[tinykv] {r.kv}: ppl {r.ppl:.4f}, KL {r.kl:.5f}, top-1 {r.top1:.4f}, "
+              f"{r.kv_bytes_per_token:.0f} KV bytes/token, {r.tokens} tokens, {r.seconds:.0f} s",
+              file=sys.stderr)
         # every window stores all its tokens; r.tokens counts the predicted ones (one fewer)
         w = saturation_warning(r.saturated, r.tokens + r.windows, model.cfg, spec)
         if w:
@@ -316,7 +358,8 @@ def print_eval(report: dict, as_json: bool) -> None:
         print(json.dumps(report))
         return
     for r in report.get("sweep", [report]):
-        print(f"ppl {r['ppl']:.4f} over {r['tokens']} tokens, kv {r['kv']}, "
+        print(f"ppl {r['ppl']:.4f} (model {r['ref_ppl']:.4f}), KL {r['kl']:.5f} nats, top-1 "
+              f"{r['top1']:.4f} over {r['tokens']} tokens, kv {r['kv']}, "
               f"{r['kv_bytes_per_token']:.0f} bytes/token")
     if "attn_error" in report:
         print("layer      kl_k      cos_k      cos_v     cos_kv   (cos_* = 1 - cosine of outputs)")

