@@ -1,37 +1,132 @@
-"""bench quality: each row's bytes per token follow the spec's layout, an evicting spec holds its
-budget, perplexity and passkey counts are the ones eval reports, and the JSON and table say so."""
+"""bench quality: each row's bytes per token and bits per element follow the spec's layout, an
+evicting spec holds its budget, perplexity, KL, top-1 and passkey counts are the ones eval
+reports, the JSON and table say so, and a calibrated spec is never scored on its calibration
+tokens."""
 
 import json
 
+import pytest
 import torch
+from test_evaluate import hf_dir  # noqa: F401  (the fixture)
 
 from tinykv.bench import quality
+from tinykv.budget import bits_per_element
 from tinykv.cache import make_cache
+from tinykv.calibrate import calibrate
+from tinykv.cli import main
 from tinykv.evaluate import perplexity
+from tinykv.model import Transformer
 from tinykv.passkey import run_passkey
+from tinykv.plots import family, pareto
+from tinykv.scalefile import TextSpan, save_scales
 from tinykv.spec import KVSpec
 from tinykv.tokenizer import Tokenizer
 
 
 def test_rows_match_eval_and_layout(small_model, smollm2_dir, tmp_path):
-    specs = [KVSpec.parse(s) for s in ("fp16", "int4", "fp16,sink=4,evict=snapkv:64")]
-    tokens = list(range(1000, 1300))
+    specs = [KVSpec.parse(s) for s in ("fp16", "int4,residual=16", "fp16,sink=4,evict=snapkv:64")]
+    texts = [("a", list(range(1000, 1300))), ("b", list(range(2000, 2150)))]
     out = tmp_path / "q.json"
-    rows = quality.run(small_model, smollm2_dir, specs, tokens, 128, 16, [200], 2, 1,
-                       lambda spec: None, None, out, "test", progress=lambda line: None)
+    rows = quality.run(small_model, smollm2_dir, specs, texts, 128, 16, [200], 2, 1,
+                       lambda spec: (None, None), None, out, "test", context=1024,
+                       progress=lambda line: None)
     L, H, D = 2, 1, 32  # layers, KV heads, head_dim of the small model
     # fp16: K and V, 2 bytes each; int4 per token: half a byte each plus one fp16 scale per head
     assert [r.bytes_per_token for r in rows] == [L * 2 * H * D * 2, L * 2 * (H * D / 2 + H * 2),
                                                  L * 2 * H * D * 2]
+    # int4: 16 fp32 window tokens of 1024, the rest at 4 bits and a 16-bit scale per 32 values
+    assert rows[1].bits_per_element == pytest.approx(((1024 - 16) * 4.5 + 16 * 32) / 1024)
+    assert rows[1].bits_per_element == bits_per_element(small_model.cfg, specs[1], 1024)
     assert [r.held_tokens for r in rows] == [200, 200, 64]
     tok = Tokenizer.from_dir(smollm2_dir)
     for spec, row in zip(specs, rows):
-        with make_cache(small_model.cfg, spec, tokens=128, max_step_tokens=16) as cache:
-            with torch.inference_mode():
-                assert row.ppl == perplexity(small_model, cache, tokens, 128, 16).ppl
+        for (label, tokens), res in zip(texts, row.texts):
+            with make_cache(small_model.cfg, spec, tokens=128, max_step_tokens=16) as cache:
+                with torch.inference_mode():
+                    want = perplexity(small_model, cache, tokens, 128, 16, reference=True)
+            assert (res.text, res.ppl, res.kl, res.top1) == (label, want.ppl, want.kl, want.top1)
+            assert res.ref_ppl == want.ref_ppl
         res = run_passkey(small_model, tok, spec, [200], 2, 1)
         assert (row.passkey_found, row.passkey_trials) == (sum(t.found for t in res.trials), 2)
+    assert abs(rows[0].texts[0].kl) < rows[1].texts[0].kl / 10  # fp16 is nearly the model
     report = json.loads(out.read_text())
     assert [r["kv"] for r in report["rows"]] == [str(s) for s in specs]
+    assert report["rows"][1]["texts"][1]["kl"] == rows[1].texts[1].kl
     text = quality.table(rows)
-    assert text.count("\n") == 4 and "| 64 |" in text
+    assert text.count("\n") == 6 and "| 64 |" in text and "text 2: b" in text
+
+
+def test_text_spans_overlap():
+    a = TextSpan.of("some text", 0, 100)
+    assert a.overlaps(TextSpan.of("some text", 99, 5)) and not a.overlaps(a.__class__(
+        a.sha256, 100, 5))
+    assert not a.overlaps(TextSpan.of("other text", 0, 100))
+
+
+def test_calibrated_specs_are_held_out(hf_dir, tmp_path, capsys):  # noqa: F811
+    """A scale file calibrated on the measured tokens is refused before anything is measured;
+    on other tokens it is used, and --calibration-text calibrates each spec itself."""
+    text = str(hf_dir / "text.txt")
+    m = Transformer.from_pretrained(hf_dir, device="cpu")
+    tokens = Tokenizer.from_dir(hf_dir).encode((hf_dir / "text.txt").read_text())
+    spec = KVSpec.parse("int4:center")
+    path = tmp_path / "s.safetensors"
+    source = TextSpan.of((hf_dir / "text.txt").read_text(), 0, 100)
+    save_scales(path, calibrate(m, tokens[:100], spec, window=64), m.cfg, spec, "minmax", 100,
+                source)
+    common = ["bench", "quality", "--weights", str(hf_dir), "--device", "cpu", "--text", text,
+              "--window", "64", "--no-passkey", "--kv", "fp16", "int4:center",
+              "--out", str(tmp_path / "q.json")]
+    code = main([*common, "--kv-scales", str(path)])
+    err = capsys.readouterr().err
+    assert code == 1 and "refusing to measure calibrated specs" in err and err.count("\n") == 1
+    assert not (tmp_path / "q.json").exists()
+    assert main([*common, "--kv-scales", str(path), "--offset", "100"]) == 0
+    held_out = json.loads((tmp_path / "q.json").read_text())["rows"][1]
+    assert held_out["calibration"] == str(path)
+    capsys.readouterr()
+    cal = ["--calibration-text", text, "--calibration-tokens", "100"]
+    assert main([*common, *cal]) == 1
+    assert "overlap the calibration's 0-100" in capsys.readouterr().err
+    assert main([*common, *cal, "--offset", "100"]) == 0
+    row = json.loads((tmp_path / "q.json").read_text())["rows"][1]
+    assert row["texts"][0] == held_out["texts"][0]  # the same calibration, the same numbers
+    assert main([*common[:-5], "--kv", "int4:center", "--out", str(tmp_path / "q.json")]) == 1
+    assert "give --calibration-text FILE" in capsys.readouterr().err
+
+
+def test_pareto_front_against_brute_force():
+    g = torch.Generator().manual_seed(3)
+    points = [tuple(p) for p in torch.rand(40, 2, generator=g).tolist()]
+    front = pareto(points)
+    dominated = {i for i, (x, y) in enumerate(points)
+                 if any(x2 <= x and y2 <= y and (x2, y2) != (x, y) for x2, y2 in points)}
+    assert set(front) == set(range(len(points))) - dominated
+    assert [points[i][0] for i in front] == sorted(points[i][0] for i in front)
+
+
+@pytest.mark.parametrize("kv, want", [
+    ("fp16", "float"), ("fp8", "float"), ("int4", "per-token"), ("int4:rot", "rotated"),
+    ("k=int4:channel:asym,v=int4:g32:asym", "KIVI"), ("k=int2:g32:rot:smooth,v=int2", "smoothed"),
+    ("int2:g32,k@0=int4", "per-layer")])
+def test_families(kv, want):
+    assert want in family(kv)
+
+
+def test_replot(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    rows = [{"kv": kv, "bits_per_element": bits, "texts": [{"ppl": ppl, "ref_ppl": 10.0,
+                                                             "kl": kl}]}
+            for kv, bits, ppl, kl in (("fp16", 16, 10.0, 1e-7), ("int4:rot", 4.25, 10.6, 0.02),
+                                      ("int2:g32,k@0=int4", 2.6, 11.0, 0.04))]
+    report = {"texts": ["t tokens 0-100"], "window": 64, "chunk": 16, "context": 8192,
+              "rows": rows}
+    (tmp_path / "q.json").write_text(json.dumps(report))
+    (tmp_path / "bad.json").write_text("{")
+    png = str(tmp_path / "q.png")
+    assert main(["bench", "quality", "--replot", str(tmp_path / "q.json"), "--plot", png]) == 0
+    assert (tmp_path / "q.png").read_bytes()[:4] == b"\x89PNG"
+    assert main(["bench", "quality", "--replot", str(tmp_path / "bad.json"), "--plot", png]) == 1
+    assert "not JSON" in capsys.readouterr().err
+    assert main(["bench", "quality", "--replot", str(tmp_path / "q.json")]) == 1
+    assert "--replot needs --plot PNG" in capsys.readouterr().err

@@ -186,6 +186,7 @@ def test_cli_eval_json(hf_dir):
     out = json.loads(proc.stdout)
     assert out["kv"] == "int8" and out["tokens"] == 3 * 63 + 7 and out["ppl"] > 1
     assert out["kv_bytes_per_token"] > 0 and len(out["attn_error"]) == 2
+    assert out["kl"] > 0 and 0 < out["top1"] <= 1 and out["ref_ppl"] > 1  # against the model
 
 
 def test_cli_calibrate_then_eval(hf_dir, tmp_path, capsys):
@@ -199,6 +200,34 @@ def test_cli_calibrate_then_eval(hf_dir, tmp_path, capsys):
     assert main(["eval", *common, "--kv", "fp8:head:static", "--kv-scales", str(scales),
                  "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["kv"] == "fp8:head:static"
+
+
+def test_cli_calibrate_bits(hf_dir, tmp_path, capsys):
+    """calibrate --bits: a spec within the budget, its per-layer table, the scale file it needs
+    (held by its metadata and served to eval) and the chart."""
+    pytest.importorskip("matplotlib")
+    text = str(hf_dir / "text.txt")
+    common = ["--weights", str(hf_dir), "--device", "cpu", "--text", text, "--window", "64"]
+    out = tmp_path / "b.safetensors"
+    assert main(["calibrate", *common, "--kv", "fp16,residual=16", "--bits", "4",
+                 "--context", "1024", "--probe-tokens", "128", "--out", str(out),
+                 "--candidates", "k=int2:g32:rot:center:smooth", "k=int8", "v=int2:g32:rot",
+                 "v=int4"]) == 0
+    printed = capsys.readouterr().out
+    spec = printed.split("tokens: ")[1].split()[0]
+    kv = KVSpec.parse(spec)
+    assert printed.count("\n") >= 4 + 2 and "KL@min" in printed  # a row per layer (4)
+    # 16 fp32 window tokens of 1024, the formats in the rest: within 4 bits
+    from tinykv.budget import bits_per_element
+    from tinykv.model import Transformer
+    cfg = Transformer.from_pretrained(hf_dir, device="cpu").cfg
+    assert bits_per_element(cfg, kv, 1024) <= 4 + 1e-9 and kv.residual == 16
+    assert (tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG"
+    assert main(["eval", *common, "--kv", spec, "--kv-scales", str(out), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["kv"] == spec
+    assert main(["calibrate", *common, "--kv", "fp16,residual=16", "--bits", "2.2",
+                 "--out", str(out)]) == 1
+    assert "cannot hold even the cheapest candidates" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("kv,scales,why", [

@@ -9,10 +9,10 @@ from test_cache import run_cached, tiny
 from test_quant import parts
 
 from tinykv.cache import make_cache
-from tinykv.calibrate import CalibrationError, calibrate, check_request, record
+from tinykv.calibrate import calibrate, check_request, record
 from tinykv.pools import block_bytes
 from tinykv.quant import compute_scales, dequantize, quantize
-from tinykv.scalefile import load_scales, save_scales
+from tinykv.scalefile import CalibrationError, load_scales, save_scales
 from tinykv.spec import KVSpec, QuantParams, SpecError, layer_list
 
 TOKENS = torch.randint(0, 128, (45,), generator=torch.Generator().manual_seed(5)).tolist()

@@ -29,7 +29,7 @@ from .model import Transformer
 from .outputs import check_outputs, write_text, written
 from .plots import check_figure_path, plot_channels
 from .quant import Transform, compute_scales, layer_transforms
-from .scalefile import CalibrationError, save_scales
+from .scalefile import CalibrationError, TextSpan, save_scales
 from .spec import KVSpec, QuantParams
 
 
@@ -354,10 +354,11 @@ def vllm_scheme_path(path: str | Path) -> Path:
 
 def calibrate_to_file(model: Transformer, tokens: list[int], spec: KVSpec, out: str | Path,
                       observer: str = "minmax", window: int = 1024, vllm_out: str | None = None,
-                      plot: str | None = None, progress: bool = True) -> int:
+                      plot: str | None = None, progress: bool = True,
+                      source: TextSpan | None = None) -> int:
     """Calibrate what the spec takes from a scale file (static scales, centers, key smoothing maps)
-    on tokens and save it (and the vLLM export, the channel plot when asked); returns the number
-    of tokens observed."""
+    on tokens and save it, with the span of text they are (`source`), and the vLLM export and the
+    channel plot when asked; returns the number of tokens observed."""
     check_request(spec, observer, vllm=bool(vllm_out))
     vllm_scheme = vllm_scheme_path(vllm_out) if vllm_out else None
     check_outputs({"out": out, "vllm_out": vllm_out, "vllm_out scheme": vllm_scheme,
@@ -365,7 +366,7 @@ def calibrate_to_file(model: Transformer, tokens: list[int], spec: KVSpec, out: 
     if plot:
         check_figure_path("plot", plot)
     scales, k, v = calibrated(model, tokens, spec, observer, window, progress)
-    save_scales(out, scales, model.cfg, spec, observer, len(tokens))
+    save_scales(out, scales, model.cfg, spec, observer, len(tokens), source)
     if vllm_out:
         export_vllm(scales, spec, vllm_out)
     if plot:

@@ -96,3 +96,132 @@ def plot_budget(choice, measured, path: str | Path) -> None:
                  f"measured {measured.kl:.4f} (perplexity {change:+.2f}%)", fontsize=10)
     fig.tight_layout()
     save_figure(fig, path)
+
+
+# ---- the quality chart: bits per element against perplexity and KL ----------------------------
+FAMILIES = {  # technique -> colour, in the legend's order
+    "float (fp16, fp8)": "tab:gray", "per-token / group scales": "tab:blue",
+    "per-channel keys (KIVI)": "tab:purple", "rotated": "tab:orange",
+    "rotated + smoothed keys": "tab:green", "per-layer budget (calibrate --bits)": "tab:red"}
+MARKERS = {16: "D", 8: "s", 4: "o", 2: "^"}  # by the key format's bits (the most common one)
+
+
+def family(kv: str) -> str:
+    """The technique family a spec's point is coloured by."""
+    from .spec import KVSpec  # torch: not at import (the command line checks --plot first)
+
+    spec = KVSpec.parse(kv)
+    if spec.per_layer:
+        return "per-layer budget (calibrate --bits)"
+    if spec.k.dtype in ("fp32", "fp16", "bf16", "fp8"):
+        return "float (fp16, fp8)"
+    if spec.k.smooth:
+        return "rotated + smoothed keys"
+    if spec.k.rot or spec.v.rot:
+        return "rotated"
+    return "per-channel keys (KIVI)" if spec.k.gran == "channel" else "per-token / group scales"
+
+
+def _key_bits(kv: str) -> int:
+    from .spec import KVSpec
+
+    return KVSpec.parse(kv).k.bits
+
+
+def pareto(points: list[tuple[float, float]]) -> list[int]:
+    """Indices of the points no other point beats on both x and y (less is better), by x."""
+    order = sorted(range(len(points)), key=lambda i: points[i])
+    front, best = [], float("inf")
+    for i in order:
+        if points[i][1] < best:
+            front.append(i)
+            best = points[i][1]
+    return front
+
+
+def plot_pareto(rows: list[dict], path: str | Path, note: str) -> None:
+    """PNG: each spec's bits per element against its perplexity increase (symlog, %) and its
+    mean KL (log), one colour per technique family, the frontier drawn, each point numbered and
+    the numbers keyed below. rows: bench quality's JSON rows (with `texts`)."""
+    plt = pyplot()
+    rows = [r for r in rows if r.get("texts")]
+    key_lines = (len(rows) + 1) // 2
+    fig = plt.figure(figsize=(13, 6.2 + 0.16 * key_lines), dpi=110)
+    grid = fig.add_gridspec(2, 2, height_ratios=[6, 0.16 * key_lines + 0.2])
+    axes = [fig.add_subplot(grid[0, i]) for i in range(2)]
+    x = [r["bits_per_element"] for r in rows]
+    change = [100 * (r["texts"][0]["ppl"] / r["texts"][0]["ref_ppl"] - 1) for r in rows]
+    kl = [max(r["texts"][0]["kl"], 1e-6) for r in rows]
+    for ax, y, goal in zip(axes, (change, kl), (1, 0.01)):
+        _pareto_panel(ax, rows, x, y)
+        ax.axhline(goal, color="tab:red", ls=":", lw=1)
+    axes[0].set_yscale("symlog", linthresh=1)  # linear within +-1%, logarithmic beyond
+    ticks = [t for t in (-1, 0, 0.5, 1, 2, 5, 10, 20, 50, 100, 200) if t <= 2 * max(change)]
+    axes[0].set_yticks(ticks, [f"{t:+g}%" if t else "0" for t in ticks])
+    axes[0].set_ylim(min(-0.3, 1.2 * min(change)), 1.5 * max(change))
+    axes[0].set_ylabel("perplexity over the model's own (uncached fp32)")
+    axes[1].set_yscale("log")
+    axes[1].set_ylim(0.5 * min(kl), 2 * max(kl))
+    axes[1].set_ylabel("mean KL(model || cache) per token, nats")
+    _legend_and_key(fig, fig.add_subplot(grid[1, :]), rows, key_lines)
+    fig.suptitle(note, fontsize=10)
+    fig.tight_layout(rect=(0, 0, 1, 0.93))  # room for the title and the legend above
+    for ax, y in zip(axes, (change, kl)):  # placed once the layout has settled
+        _number_points(fig, ax, x, y)
+    save_figure(fig, path, dpi=110)
+
+
+def _pareto_panel(ax, rows: list[dict], x: list[float], y: list[float]) -> None:
+    """The points, coloured by family and shaped by key bits, and the frontier under them."""
+    front = pareto(list(zip(x, y)))
+    ax.step([x[i] for i in front], [y[i] for i in front], where="post", color="black",
+            alpha=0.35, lw=1.5, zorder=1)
+    for i, r in enumerate(rows):
+        bits = _key_bits(r["kv"])
+        ax.scatter(x[i], y[i], color=FAMILIES[family(r["kv"])], s=55, zorder=3,
+                   marker=MARKERS.get(bits, "o"), edgecolors="black", linewidths=0.5)
+    ax.set_xscale("log", base=2)
+    ticks = [2, 2.5, 3, 4, 5, 6, 8, 12, 16]
+    ax.set_xticks(ticks, [str(t) for t in ticks])
+    ax.set_xlim(1.9, 20)
+    ax.set_xlabel("stored bits per element, all in (window and sinks counted)")
+    ax.grid(alpha=0.3)
+
+
+def _legend_and_key(fig, key, rows: list[dict], key_lines: int) -> None:
+    """The legend above the panels; below them, each number's spec in two columns."""
+    plt = pyplot()
+    handles = [plt.Line2D([], [], color=c, marker="o", ls="", label=f) for f, c in
+               FAMILIES.items() if any(family(r["kv"]) == f for r in rows)]
+    handles += [plt.Line2D([], [], color="black", marker=m, ls="", mfc="none",
+                           label=f"{bits}-bit keys") for bits, m in MARKERS.items()]
+    handles.append(plt.Line2D([], [], color="black", alpha=0.35, label="frontier"))
+    handles.append(plt.Line2D([], [], color="tab:red", ls=":", label="the goals at 3 bits"))
+    fig.legend(handles=handles, fontsize=8, loc="upper center", ncol=6,
+               bbox_to_anchor=(0.5, 0.965), frameon=False)
+    key.axis("off")
+    lines = [f"{i + 1:>2}  {r['kv']}" for i, r in enumerate(rows)]
+    for col, chunk in enumerate((lines[:key_lines], lines[key_lines:])):
+        key.text(0.5 * col, 1, "\n".join(chunk), va="top", family="monospace", fontsize=7.5,
+                 transform=key.transAxes)
+
+
+def _number_points(fig, ax, x: list[float], y: list[float]) -> None:
+    """Each point's number beside it, where it covers no other number nor point: the first
+    free place of 24 around the point (nearest first), in display pixels."""
+    fig.canvas.draw()
+    dots = [ax.transData.transform((xi, yi)) for xi, yi in zip(x, y)]
+    taken = [(px - 6, py - 6, px + 6, py + 6) for px, py in dots]  # (x0, y0, x1, y1)
+    places = [(r * dx - (dx < 0) * 0.6, r * dy) for r in (1, 2, 3) for dx, dy in
+              ((1, 0.3), (1, -1.3), (-1, 0.3), (-1, -1.3), (0, 1), (0, -2), (1, 1), (-1, 1))]
+    for i, (px, py) in enumerate(dots):
+        w, h = 7 * len(str(i + 1)), 11
+        for fx, fy in places + [(1, 0.3)]:  # crowded all round: the first place anyway
+            dx, dy = 8 * fx - (w if fx < 0 else 0), 8 * fy
+            box = (px + dx, py + dy, px + dx + w, py + dy + h)
+            if all(box[2] < t[0] or box[0] > t[2] or box[3] < t[1] or box[1] > t[3]
+                   for t in taken):
+                break
+        taken.append(box)
+        ax.annotate(str(i + 1), (x[i], y[i]), xytext=(dx, dy), textcoords="offset pixels",
+                    fontsize=7.5)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -34,27 +35,56 @@ def fingerprint(cfg: Config) -> dict[str, str]:
             "config_hash": hashlib.sha256(blob).hexdigest()[:16]}
 
 
+@dataclass(frozen=True)
+class TextSpan:
+    """Which tokens of which text: a text's sha256 and a token range [offset, offset + tokens).
+    A scale file records the span that calibrated it, so that a measurement can refuse to score
+    a spec on its own calibration tokens."""
+    sha256: str
+    offset: int
+    tokens: int
+
+    @classmethod
+    def of(cls, text: str, offset: int, tokens: int) -> TextSpan:
+        return cls(hashlib.sha256(text.encode()).hexdigest(), offset, tokens)
+
+    def overlaps(self, other: TextSpan) -> bool:
+        same = self.sha256 == other.sha256
+        return same and self.offset < other.offset + other.tokens and \
+            other.offset < self.offset + self.tokens
+
+    def __str__(self) -> str:
+        return f"tokens {self.offset}-{self.offset + self.tokens} of text {self.sha256[:12]}"
+
+
 def save_scales(path: str | Path, scales: dict[str, torch.Tensor], cfg: Config, spec: KVSpec,
-                observer: str, tokens: int) -> None:
-    """A scale file: the tensors as float32 safetensors, with what `load_scales` checks."""
+                observer: str, tokens: int, source: TextSpan | None = None) -> None:
+    """A scale file: the tensors as float32 safetensors, with what `load_scales` checks and the
+    span of text that calibrated it."""
     meta = {"format": FORMAT, "spec": str(spec), "observer": observer, "tokens": str(tokens),
             **fingerprint(cfg)}
+    if source is not None:
+        meta.update(text_sha256=source.sha256, text_offset=str(source.offset))
     with written(path) as tmp:
         save_file({n: t.float().contiguous() for n, t in scales.items()}, str(tmp), metadata=meta)
+
+
+def scale_source(path: str | Path) -> TextSpan | None:
+    """The span of text a scale file was calibrated on; None when it does not say (older files)."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+    except (SafetensorError, OSError):
+        return None
+    if "text_sha256" not in meta:
+        return None
+    return TextSpan(meta["text_sha256"], int(meta["text_offset"]), int(meta["tokens"]))
 
 
 def load_scales(path: str | Path, cfg: Config, spec: KVSpec) -> dict[str, torch.Tensor]:
     """The tensors of a scale file (static scales, centers, key smoothing maps), checked against
     the model and against what the spec needs from the file."""
-    if not Path(path).is_file():
-        raise CalibrationError(f"scale file not found: {path}")
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-            tensors = {n: f.get_tensor(n) for n in f.keys()}
-    except (SafetensorError, OSError) as e:
-        first_line = str(e).splitlines()[0]
-        raise CalibrationError(f"{path} is not a safetensors file: {first_line}") from None
+    meta, tensors = _read(path)
     if meta.get("format") != FORMAT:
         raise CalibrationError(f"{path} is not a tinykv scale file (made by `tinykv calibrate`)")
     diff = [f"{k} {meta.get(k)} != {v}" for k, v in fingerprint(cfg).items() if meta.get(k) != v]
@@ -88,6 +118,18 @@ def load_scales(path: str | Path, cfg: Config, spec: KVSpec) -> dict[str, torch.
         else:
             out.update(_static_of(path, tensors, group[0], cfg, p))
     return out
+
+
+def _read(path: str | Path) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """A safetensors file's metadata and tensors; a clear error when it is none."""
+    if not Path(path).is_file():
+        raise CalibrationError(f"scale file not found: {path}")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return f.metadata() or {}, {n: f.get_tensor(n) for n in f.keys()}
+    except (SafetensorError, OSError) as e:
+        first_line = str(e).splitlines()[0]
+        raise CalibrationError(f"{path} is not a safetensors file: {first_line}") from None
 
 
 def _check_part(path: str | Path, name: str, p: QuantParams, fp: QuantParams,

@@ -7,7 +7,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from .commands import check_cache_args, check_io, load_model, window_of
+from .commands import check_cache_args, check_io, load_model, warn, window_of
 from .flags import given_flags
 from .inputs import UsageError, read_text
 
@@ -89,24 +89,35 @@ def cmd_bench_roofline(args) -> None:
 def cmd_bench_quality(args) -> None:
     from ..bench import quality
     from ..evaluate import SAMPLE_TEXT, tokens_of
-    from ..scalefile import load_scales
+    from ..scalefile import TextSpan
 
+    if args.replot:
+        return replot(args)
     if args.no_ppl and args.no_passkey:
         raise UsageError("--no-ppl with --no-passkey leaves nothing to measure")
-    check_cache_args(args, args.kv)
-    text = None if args.no_ppl else read_text(args.text or str(SAMPLE_TEXT), "bench quality")
+    check_calibration_args(args)
+    named = [] if args.no_ppl else [(args.text or str(SAMPLE_TEXT), args.offset)]
+    if args.second_text and not args.no_ppl:
+        named.append((args.second_text, 0))
+    texts = [(name, read_text(name, "bench quality"), offset) for name, offset in named]
+    cal_text = None
+    if args.calibration_text:
+        cal_text = read_text(args.calibration_text, "bench quality --calibration-text")
     filler = read_text(args.filler, "bench quality --filler") if args.filler else None
     model, path = load_model(args)
     window = window_of(args, model)
-    tokens = None if text is None else tokens_of(text, path, args.offset, args.max_tokens)
-
-    def scales_for(spec):
-        return load_scales(args.kv_scales, model.cfg, spec) if spec.needs_scales else None
-
+    measured = []  # (label, tokens, span)
+    for name, text, offset in texts:
+        tokens = tokens_of(text, path, offset, args.max_tokens)
+        span = TextSpan.of(text, offset, len(tokens))
+        measured.append((f"{Path(name).name} tokens {offset}-{offset + len(tokens)}", tokens,
+                         span))
+    scales_for = held_out_scales(args, model, path, cal_text, [m[2] for m in measured], window)
     lengths = [] if args.no_passkey else args.lengths
     command = " ".join(["python -m tinykv bench", *map(shlex.quote, sys.argv[2:])])
-    quality.run(model, path, args.kv, tokens, window, args.chunk, lengths, args.depths,
-                args.trials, scales_for, filler, args.out, command)
+    quality.run(model, path, args.kv, [(label, tokens) for label, tokens, _ in measured], window,
+                args.chunk, lengths, args.depths, args.trials, scales_for, filler, args.out,
+                command, args.context, plot=args.plot)
 
 
 def cmd_bench_peers(args) -> None:
@@ -129,3 +140,78 @@ def cmd_bench_peers(args) -> None:
     peers.run(model, path, text, contexts, specs, args.rounds, args.new, args.threads,
               not args.no_ppl, args.out, command, window, args.offset, args.max_tokens,
               llama_kv=args.llama_kv)
+
+
+def replot(args) -> None:
+    """bench quality --replot JSON... --plot PNG: the chart of saved results, measuring nothing."""
+    import json
+
+    from ..bench import quality
+
+    if not args.plot:
+        raise UsageError("--replot needs --plot PNG")
+    reports = []
+    for name in args.replot:
+        try:
+            report = json.loads(read_text(name, "bench quality --replot"))
+        except json.JSONDecodeError as e:
+            raise UsageError(f"--replot {name}: not JSON ({e.msg}, line {e.lineno})") from None
+        if not isinstance(report, dict) or "texts" not in report or "rows" not in report:
+            raise UsageError(f"--replot {name}: not a bench quality report with texts")
+        reports.append(report)
+    quality.chart(reports, args.plot)
+    print(f"[tinykv] {args.plot}: {sum(len(r['rows']) for r in reports)} specs")
+
+
+def check_calibration_args(args) -> None:
+    """A spec that takes scales, means or maps gets them from one place: a file or a text."""
+    calibrated = [s for s in args.kv if s.needs_scales]
+    if args.kv_scales and args.calibration_text:
+        raise UsageError("give --kv-scales or --calibration-text, not both")
+    if calibrated and not (args.kv_scales or args.calibration_text):
+        raise UsageError(f"KV spec '{calibrated[0]}' takes scales, means or maps from "
+                         "calibration: give --calibration-text FILE (calibrated here, on other "
+                         "tokens than the measured ones) or --kv-scales FILE")
+    if (args.kv_scales or args.calibration_text) and not calibrated:
+        raise UsageError("--kv-scales or --calibration-text given but no KV spec has a static, "
+                         "centered or smoothed part")
+
+
+def held_out_scales(args, model, path, cal_text: str | None, spans: list, window: int):
+    """scales_for(spec) -> (scales, what calibrated them), after refusing, before the slow part,
+    a calibration whose tokens overlap a measured text's (held out by default)."""
+    from ..calibrate import check_request, record, scales_from
+    from ..evaluate import tokens_of
+    from ..scalefile import TextSpan, load_scales, scale_source
+
+    cal_tokens = None
+    if cal_text is not None:
+        cal_tokens = tokens_of(cal_text, path, args.calibration_offset, args.calibration_tokens)
+        source = TextSpan.of(cal_text, args.calibration_offset, len(cal_tokens))
+        label = f"{Path(args.calibration_text).name} {source}"
+    elif args.kv_scales:
+        source, label = scale_source(args.kv_scales), str(args.kv_scales)
+        if source is None:
+            warn(f"{args.kv_scales} does not say which tokens calibrated it (made by an older "
+                 "tinykv): recalibrate it, or use --calibration-text, to be sure it is held out")
+    if cal_text is not None or args.kv_scales:
+        for span in spans:
+            if source is not None and source.overlaps(span):
+                raise UsageError(f"refusing to measure calibrated specs on their calibration "
+                                 f"tokens: the measured {span} overlap the calibration's "
+                                 f"{source.offset}-{source.offset + source.tokens} (measure "
+                                 "other tokens: --offset, or another text)")
+
+    recorded = []  # the calibration tokens recorded once, for every spec that takes scales
+
+    def scales_for(spec):
+        if not spec.needs_scales:
+            return None, None
+        if cal_tokens is None:
+            return load_scales(args.kv_scales, model.cfg, spec), label
+        check_request(spec, "minmax")
+        if not recorded:
+            recorded.append(record(model, cal_tokens, window, keep_q=True, progress=True))
+        return scales_from(recorded[0], spec)[0], label
+
+    return scales_for

@@ -253,6 +253,7 @@ def cmd_fetch(args) -> None:
 def cmd_calibrate(args) -> None:
     from ..calibrate import calibrate_to_file, check_request, vllm_scheme_path
     from ..evaluate import tokens_of
+    from ..scalefile import TextSpan
 
     if args.bits is not None:
         return cmd_calibrate_bits(args)
@@ -266,7 +267,8 @@ def cmd_calibrate(args) -> None:
         warn(f"calibrating on {len(tokens)} tokens: static scales from so little text may clip "
              "values of other texts (use >= 512)")
     n = calibrate_to_file(model, tokens, args.kv, args.out, args.observer, window,
-                          vllm_out=args.vllm_out, plot=args.plot)
+                          vllm_out=args.vllm_out, plot=args.plot,
+                          source=TextSpan.of(text, args.offset, len(tokens)))
     print(f"[tinykv] {args.out}: {args.kv} scales from {n} tokens ({args.observer})")
 
 
@@ -283,7 +285,7 @@ def cmd_calibrate_bits(args) -> None:
     from .. import budget
     from ..evaluate import compare, tokens_of
     from ..plots import plot_budget
-    from ..scalefile import save_scales
+    from ..scalefile import TextSpan, save_scales
 
     budget.check_base(args.kv)
     candidates = budget.parse_candidates(args.candidates or list(budget.DEFAULT_CANDIDATES))
@@ -303,7 +305,8 @@ def cmd_calibrate_bits(args) -> None:
                     max_step_tokens=16) as cache:
         measured = compare(model, [cache], probe, window, 16, progress=True)[0]
     if choice.scales:
-        save_scales(args.out, choice.scales, model.cfg, choice.spec, args.observer, len(tokens))
+        save_scales(args.out, choice.scales, model.cfg, choice.spec, args.observer, len(tokens),
+                    TextSpan.of(text, args.offset, len(tokens)))
     plot_budget(choice, measured, plot)
     change = 100 * (measured.ppl / measured.ref_ppl - 1)
     print(f"[tinykv] spec, {choice.bits:.3f} bits/element all in at {args.context} tokens: "

@@ -286,16 +286,31 @@ def batch_context(text: str) -> tuple[int, int]:
 
 
 def add_quality_parser(bsub: argparse._SubParsersAction) -> None:
-    q = bsub.add_parser("quality", help="bytes/token, perplexity and passkey accuracy per spec",
-                        description="One row per KV spec: stored bytes per token, tokens held, "
-                                    "perplexity through the cache and passkey accuracy.",
+    q = bsub.add_parser("quality", help="bits/element, perplexity, KL and passkey per spec",
+                        description="One row per KV spec: stored bits per element and bytes per "
+                                    "token, perplexity through the cache, KL from the model's "
+                                    "own predictions, top-1 agreement, passkey accuracy. A "
+                                    "calibrated spec is measured on held-out tokens only.",
                         formatter_class=Help)
     q.set_defaults(prog=q.prog)
     q.add_argument("--kv", type=kv_spec, nargs="+", metavar="SPEC",
                    default=[kv_spec(s) for s in ("fp16", "int8", "int4:rot")],
                    help="KV specs, one row each (the first is the baseline)")
     q.add_argument("--kv-scales", metavar="FILE",
-                   help="static scales, centers and smoothing maps for the specs that take them")
+                   help="static scales, centers and smoothing maps for the specs that take them "
+                        "(calibrated on other tokens than the measured ones)")
+    q.add_argument("--calibration-text", metavar="FILE",
+                   help="calibrate each spec that takes scales, means or maps on this text "
+                        "instead (never on the measured tokens)")
+    q.add_argument("--calibration-offset", type=NON_NEGATIVE, default=0, metavar="N",
+                   help="skip this many tokens of --calibration-text")
+    q.add_argument("--calibration-tokens", type=POSITIVE, default=8192, metavar="N",
+                   help="calibrate on at most this many tokens")
+    q.add_argument("--second-text", metavar="FILE",
+                   help="a second text to measure, read from its start (at most --max-tokens), "
+                        "e.g. tinykv/data/sample.txt")
+    q.add_argument("--context", type=POSITIVE, default=8192, metavar="N",
+                   help="bits/element count the sink and window tokens of a sequence this long")
     q.add_argument("--chunk", type=POSITIVE, default=16, metavar="C", help="tokens fed per step")
     add_passkey_args(q, "2000")
     q.add_argument("--filler", metavar="FILE", help="passkey filler text (default: built in)")
@@ -303,5 +318,9 @@ def add_quality_parser(bsub: argparse._SubParsersAction) -> None:
     q.add_argument("--no-passkey", action="store_true", help="perplexity only")
     q.add_argument("--out", default="bench/quality-new.json", metavar="JSON",
                    help="results JSON")
+    q.add_argument("--plot", metavar="PNG",
+                   help="bits/element against perplexity and KL, one colour per technique")
+    q.add_argument("--replot", nargs="+", metavar="JSON",
+                   help="measure nothing: chart the rows of these saved --out files (--plot)")
     add_text_args(q, 8192)
     add_model_args(q)
