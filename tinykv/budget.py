@@ -188,6 +188,8 @@ def choose(model: Transformer, tokens: list[int], probe: list[int], base: KVSpec
     cannot hold the cheapest candidates."""
     check_base(base)
     cfg, dtype = model.cfg, next(model.parameters()).dtype
+    for _, p in candidates:
+        p.check(cfg.head_dim)
     total = format_budget(cfg, base, bits, context, block_size, dtype)
     cheapest = sum(min(part_bits(cfg, p, block_size) for w, p in candidates if w == which)
                    for which in "kv") * cfg.n_layers

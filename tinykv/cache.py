@@ -336,14 +336,12 @@ def make_cache(cfg: Config, spec: KVSpec | str, *, tokens: int | None = None,
 def _check_request(cfg: Config, spec: KVSpec, scales: dict[str, torch.Tensor] | None,
                    block_size: int) -> None:
     """A one-line CacheError (or SpecError) for a cache that cannot be built as asked."""
-    for p in spec.key_parts + spec.value_parts:
-        p.check(cfg.head_dim)
+    spec.check(cfg.n_layers, cfg.head_dim)  # every layer it names exists; its formats fit
     if spec.needs_scales and scales is None:
         raise CacheError(f"KV spec '{spec}' has static scales, centers or smoothing maps: pass "
                          "a calibration file (--kv-scales)")
     if block_size < 1:
         raise CacheError(f"block size {block_size} must be >= 1")
-    spec.layer_parts(cfg.n_layers)  # a layer outside the model is a SpecError here
     if spec.evict and spec.budget < spec.sink + spec.residual + 1:
         raise CacheError(f"evict budget {spec.budget} must exceed sink + residual "
                          f"({spec.sink + spec.residual}): they count against it")

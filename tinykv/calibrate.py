@@ -16,7 +16,6 @@ int8 ("int", absmax / 127; vLLM itself serves fp8 KV caches only); other specs a
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 from pathlib import Path
@@ -41,6 +40,7 @@ class Recorder:
     def __init__(self, model: Transformer, keep_q: bool = False):
         self.model, self.keep_q = model, keep_q
         self.seen = {w: [[] for _ in range(model.cfg.n_layers)] for w in "qkv"}  # (heads, N, D)
+        self.stored = {}  # (sink, residual) -> stored_attention's result, made once
 
     def __call__(self, tokens: list[int]) -> None:
         dev = next(self.model.parameters()).device
@@ -154,6 +154,8 @@ def stored_attention(rec: Recorder, sink: int, residual: int) -> torch.Tensor:
     """(L, H, T): the attention each recorded key receives, from the queries of its window (and
     of its KV head), while a cache holds it quantized: once it is no sink and at least `residual`
     tokens behind the query. Exact keys cannot be hurt by quantizing, so they weigh nothing."""
+    if (sink, residual) in rec.stored:  # made once for every spec with these sinks and window
+        return rec.stored[(sink, residual)]
     L, H = len(rec.seen["k"]), rec.seen["k"][0][0].shape[0]
     out = []
     for layer in range(L):
@@ -167,7 +169,8 @@ def stored_attention(rec: Recorder, sink: int, residual: int) -> torch.Tensor:
             quantized = (j >= sink) & (i - j >= residual)  # (n, n)
             pieces.append((probs * quantized).sum((1, 2)))  # (H, n)
         out.append(torch.cat(pieces, 1))
-    return torch.stack(out)  # (L, H, T)
+    rec.stored[(sink, residual)] = torch.stack(out)  # (L, H, T)
+    return rec.stored[(sink, residual)]
 
 
 def smooth_maps(k: torch.Tensor, q: torch.Tensor, weight: torch.Tensor | None = None,
@@ -213,12 +216,6 @@ def as_cached(x: torch.Tensor, which: str, transforms: list[Transform]) -> torch
     return torch.stack(out)
 
 
-def static_format(p: QuantParams) -> QuantParams:
-    """What a static part's scales depend on: its format without the transforms (they act on
-    what is observed, layer by layer: as_cached)."""
-    return dataclasses.replace(p, rot=False, center=False, smooth=False)
-
-
 def check_request(spec: KVSpec, observer: str, vllm: bool = False) -> None:
     """Fail fast, before the slow part, on what calibration (and the vLLM export) cannot do."""
     if not spec.needs_scales:
@@ -226,7 +223,7 @@ def check_request(spec: KVSpec, observer: str, vllm: bool = False) -> None:
                                "calibrate (e.g. int8:tensor:static or int4:rot:center)")
     parse_observer(observer)
     for name, parts in (("k", spec.key_parts), ("v", spec.value_parts)):
-        static = {str(static_format(p)) for p in parts if p.static}
+        static = {str(p.stored) for p in parts if p.static}
         if len(static) > 1:
             raise CalibrationError(f"KV spec '{spec}' has {len(static)} static {name} formats "
                                    f"({', '.join(sorted(static))}); a scale file holds one for "
@@ -254,7 +251,7 @@ def static_scales(k: torch.Tensor, v: torch.Tensor, spec: KVSpec,
     check_request(spec, observer)
     out = {}
     for name, parts, x in (("k", spec.key_parts, k), ("v", spec.value_parts, v)):
-        static = [static_format(p) for p in parts if p.static]
+        static = [p.stored for p in parts if p.static]
         if not static:
             continue
         p = static[0]  # one per K and V (check_request): every layer's row, used or not
@@ -285,9 +282,8 @@ def calibrated(model: Transformer, tokens: list[int], spec: KVSpec, observer: st
                                                      torch.Tensor]:
     """(the scale file's tensors, keys, values (L, H, T, D) as the cache stores them)."""
     check_request(spec, observer)
-    smooth = any(p.smooth for p in spec.key_parts)
-    rec = record(model, tokens, window, keep_q=smooth, progress=progress)
-    return scales_from(rec, spec, observer)
+    keep_q = any(p.smooth for p in spec.key_parts)
+    return scales_from(record(model, tokens, window, keep_q, progress), spec, observer)
 
 
 def scales_from(rec: Recorder, spec: KVSpec, observer: str = "minmax"

@@ -7,6 +7,7 @@ PART := DTYPE [":" GRAN] [":" sym|asym] [":" static|dynamic] [":rot"] [":center"
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -141,6 +142,12 @@ class QuantParams:
         if head_dim % max(self.group, 1) or head_dim % self.per_byte:
             raise spec_error(str(self), f"head_dim {head_dim} is not a multiple of the group size "
                         f"{self.group} / values per byte {self.per_byte}")
+
+    @property
+    def stored(self) -> QuantParams:
+        """This format without the transforms: what its codes and scales are (the transforms act
+        on what is stored, layer by layer, so static scales of one stored format serve all)."""
+        return dataclasses.replace(self, rot=False, center=False, smooth=False)
 
     @property
     def is_float(self) -> bool:

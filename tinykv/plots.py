@@ -73,7 +73,7 @@ def plot_budget(choice, measured, path: str | Path) -> None:
     """PNG of `budget.choose`'s choice: per layer, the KL of every candidate (lines) and the one
     chosen (a ring), keys above, values below; `measured` is the spec's end-to-end EvalResult."""
     plt = pyplot()
-    fig, axes = plt.subplots(2, 1, figsize=(11, 7), sharex=True)
+    fig, axes = plt.subplots(2, 1, figsize=(13, 7), sharex=True)
     n_layers = 1 + max(s.layer for s in choice.sens)
     for ax, which, name in zip(axes, "kv", ("keys", "values")):
         parts = sorted({s.part for s in choice.sens if s.which == which},
@@ -89,7 +89,7 @@ def plot_budget(choice, measured, path: str | Path) -> None:
                    facecolors="none", edgecolors="black", linewidths=1.5, label="chosen")
         ax.set(yscale="log", ylabel=f"KL when only its {name} are lowered (nats)")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8, loc="upper right")
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))  # beside the data
     axes[1].set_xlabel("layer")
     change = 100 * (measured.ppl / measured.ref_ppl - 1)
     fig.suptitle(f"{choice.bits:.2f} bits/element: summed KL {choice.predicted_kl:.4f}, "

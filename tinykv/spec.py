@@ -175,6 +175,13 @@ class KVSpec:
             out.append((full, full) if (layer, "skip") in assigned else (kp, vp))
         return out
 
+    def check(self, n_layers: int, head_dim: int) -> None:
+        """Raise SpecError unless every layer this spec names exists and every format fits rows
+        of head_dim channels: what a model asks of a spec, checked before any slow work."""
+        self.layer_parts(n_layers)
+        for p in self.key_parts + self.value_parts:
+            p.check(head_dim)
+
     def _resolve(self, i: int, n_layers: int, written: str) -> int:
         if not -n_layers <= i < n_layers:
             raise SpecError(f"bad KV spec {str(self)!r}: {written} is outside the model's "

@@ -122,6 +122,8 @@ def run(model: Transformer, path: Path, specs: list[KVSpec],
         progress: Callable[[str], None] = print, plot: str | None = None) -> list[QualityRow]:
     """Every spec's row over every (label, tokens) text, then passkey, printed as a table at the
     end; the JSON goes to `out`, the chart to `plot`."""
+    for spec in specs:  # before any slow work
+        spec.check(model.cfg.n_layers, model.cfg.head_dim)
     scales = [scales_for(spec) for spec in specs]
     dtype = next(model.parameters()).dtype
     longest = max(lengths) if lengths else window
