@@ -212,7 +212,7 @@ def test_cli_calibrate_bits(hf_dir, tmp_path, capsys):
     assert main(["calibrate", *common, "--kv", "fp16,residual=16", "--bits", "4",
                  "--context", "1024", "--probe-tokens", "128", "--out", str(out),
                  "--candidates", "k=int2:g32:rot:center:smooth", "k=int8", "v=int2:g32:rot",
-                 "v=int4"]) == 0
+                 "v=int4", "--sensitivities-out", str(tmp_path / "s.json")]) == 0
     printed = capsys.readouterr().out
     spec = printed.split("tokens: ")[1].split()[0]
     kv = KVSpec.parse(spec)
@@ -228,6 +228,14 @@ def test_cli_calibrate_bits(hf_dir, tmp_path, capsys):
     assert main(["calibrate", *common, "--kv", "fp16,residual=16", "--bits", "2.2",
                  "--out", str(out)]) == 1
     assert "cannot hold even the cheapest candidates" in capsys.readouterr().err
+    # the saved errors serve another budget without measuring them again: the same table
+    reuse = ["calibrate", *common, "--context", "1024", "--probe-tokens", "128", "--out",
+             str(tmp_path / "c.safetensors"), "--sensitivities-in", str(tmp_path / "s.json"),
+             "--bits", "4"]
+    assert main([*reuse, "--kv", "fp16,residual=16"]) == 0
+    assert capsys.readouterr().out.split("\n")[:5] == printed.split("\n")[:5]
+    assert main([*reuse, "--kv", "fp16,residual=32"]) == 1
+    assert "measured with residual=16, sink=0" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("kv,scales,why", [

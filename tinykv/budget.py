@@ -182,10 +182,12 @@ class Choice:
 
 def choose(model: Transformer, tokens: list[int], probe: list[int], base: KVSpec,
            candidates: list[tuple[str, QuantParams]], bits: float, context: int,
-           window: int = 1024, block_size: int = 16, progress: bool = False) -> Choice:
+           window: int = 1024, block_size: int = 16, progress: bool = False,
+           measured: list[Sensitivity] | None = None) -> Choice:
     """Each layer's K and V format within `bits` per element at `context` (module docstring),
-    calibrated on `tokens`, measured on `probe`; fails before the slow part when the budget
-    cannot hold the cheapest candidates."""
+    calibrated on `tokens`, measured on `probe` (or taken from `measured`, a saved measurement
+    under the same sinks and window); fails before the slow part when the budget cannot hold
+    the cheapest candidates."""
     check_base(base)
     cfg, dtype = model.cfg, next(model.parameters()).dtype
     for _, p in candidates:
@@ -198,10 +200,25 @@ def choose(model: Transformer, tokens: list[int], probe: list[int], base: KVSpec
                           f"cheapest candidates ({cheapest / (2 * cfg.n_layers):.3f} bits) "
                           "beside these sinks and window")
     rec = record(model, tokens, window, keep_q=True, progress=progress)
-    sens = sensitivities(model, rec, probe, base, candidates, window, block_size, progress)
+    if measured is None:
+        sens = sensitivities(model, rec, probe, base, candidates, window, block_size, progress)
+    else:
+        sens = _measured(measured, candidates, cfg.n_layers)
     chosen = allocate(sens, cfg.n_layers, total)
     spec = spec_of(base, chosen, cfg.n_layers)
     scales = scales_from(rec, spec)[0] if spec.needs_scales else {}
     return Choice(sens, chosen, spec, scales,
                   bits_per_element(cfg, spec, context, block_size, dtype),
                   sum(s.kl for s in chosen.values()))
+
+
+def _measured(sens: list[Sensitivity], candidates: list[tuple[str, QuantParams]],
+              n_layers: int) -> list[Sensitivity]:
+    """The saved errors of these candidates, each layer's all there."""
+    have = {(s.layer, s.which, s.part): s for s in sens}
+    missing = [(w, p) for w, p in candidates
+               if any((layer, w, p) not in have for layer in range(n_layers))]
+    if missing:
+        w, p = missing[0]
+        raise BudgetError(f"the saved sensitivities lack {w}={p} for some layer: measure it")
+    return [have[(layer, w, p)] for layer in range(n_layers) for w, p in candidates]

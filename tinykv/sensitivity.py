@@ -12,8 +12,10 @@ layer in that format computes is a test (tests/test_budget.py).
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -166,3 +168,26 @@ def sensitivities(model: Transformer, rec: Recorder, probe: list[int], base: KVS
     kl /= sum(len(w) for w in wins)
     return [Sensitivity(layer, which, p, part_bits(model.cfg, p, block_size), float(kl[layer, c]))
             for layer in range(L) for c, (which, p, _, _) in enumerate(probes)]
+
+
+def save(path: str | Path, sens: list[Sensitivity], base: KVSpec) -> None:
+    """Sensitivities as JSON, with the sinks and window they were measured under."""
+    rows = [{"layer": s.layer, "which": s.which, "part": str(s.part), "bits": s.bits,
+             "kl": s.kl} for s in sens]
+    text = json.dumps({"residual": base.residual, "sink": base.sink, "sensitivities": rows})
+    Path(path).write_text(text + "\n")
+
+
+def load(path: str | Path, base: KVSpec) -> list[Sensitivity]:
+    """What `save` wrote, refused unless measured under base's sinks and window (they change
+    every error)."""
+    try:
+        saved = json.loads(Path(path).read_text())
+        sens = [Sensitivity(r["layer"], r["which"], QuantParams.parse(r["part"]), r["bits"],
+                            r["kl"]) for r in saved["sensitivities"]]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}: not a sensitivities file ({e})") from None
+    if (saved["residual"], saved["sink"]) != (base.residual, base.sink):
+        raise ValueError(f"{path} was measured with residual={saved['residual']}, "
+                         f"sink={saved['sink']}, not those of '{base}'")
+    return sens

@@ -282,13 +282,19 @@ def check_io(args, derived: dict[str, str | Path]) -> None:
 def cmd_calibrate_bits(args) -> None:
     """calibrate --bits: each layer's formats chosen to the budget, confirmed end to end through
     the cache on the probe tokens, printed as a table and a spec, written with its scales."""
-    from .. import budget
+    from .. import budget, sensitivity
     from ..evaluate import compare, tokens_of
     from ..plots import plot_budget
     from ..scalefile import TextSpan, save_scales
 
     budget.check_base(args.kv)
-    candidates = budget.parse_candidates(args.candidates or list(budget.DEFAULT_CANDIDATES))
+    measured = None
+    if args.sensitivities_in:
+        measured = sensitivity.load(args.sensitivities_in, args.kv)
+    saved = list(dict.fromkeys(f"{s.which}={s.part}" for s in measured or []))
+    texts = args.candidates or saved or list(budget.DEFAULT_CANDIDATES)
+    candidates = budget.parse_candidates(texts)
+    check_out_path(args.sensitivities_out, "--sensitivities-out")
     if args.vllm_out:
         raise UsageError("--bits writes per-layer formats, which vLLM cannot serve: drop "
                          "--vllm-out")
@@ -299,7 +305,9 @@ def cmd_calibrate_bits(args) -> None:
     tokens = tokens_of(args.text_body, path, args.offset, args.max_tokens)
     probe = tokens[:args.probe_tokens]
     choice = budget.choose(model, tokens, probe, args.kv, candidates, args.bits, args.context,
-                           window, progress=True)
+                           window, progress=True, measured=measured)
+    if args.sensitivities_out:
+        sensitivity.save(args.sensitivities_out, choice.sens, args.kv)
     print(budget.table(choice.chosen, choice.sens, model.cfg.n_layers))
     with make_cache(model.cfg, choice.spec, tokens=window, scales=choice.scales or None,
                     max_step_tokens=16) as cache:

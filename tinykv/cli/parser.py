@@ -148,6 +148,11 @@ def add_calibrate_parser(sub: argparse._SubParsersAction) -> None:
                    help="--bits counts the sink and window tokens of a sequence this long")
     c.add_argument("--probe-tokens", type=POSITIVE, default=2048, metavar="N",
                    help="--bits measures each layer's error on the first N tokens")
+    c.add_argument("--sensitivities-out", metavar="JSON",
+                   help="--bits: also write every layer's measured errors here")
+    c.add_argument("--sensitivities-in", metavar="JSON",
+                   help="--bits: choose from errors measured before (same residual= and sink=) "
+                        "instead of measuring them")
     add_text_args(c, 8192)
     add_model_args(c)
     c.set_defaults(prog=c.prog)
