@@ -156,10 +156,12 @@ def run(model: Transformer, path: Path, specs: list[KVSpec],
 
 
 def chart(reports: list[dict], path: str | Path) -> None:
-    """The quality chart (plots.plot_pareto) of the rows of saved reports, measured alike: its
-    note names the first report's text, window, chunk and context."""
+    """The quality chart (plots.plot_pareto) of the rows of saved reports, measured alike (a spec
+    measured twice: its last row): the note names the first report's text, window, chunk and
+    context."""
     first = reports[0]
-    rows = [row for report in reports for row in report["rows"]]
+    latest = {row["kv"]: row for report in reports for row in report["rows"]}  # one per spec
+    rows = list(latest.values())
     note = (f"{first['texts'][0]}: windows of {first['window']} fed {first['chunk']} tokens a "
             f"step; bits counted at a {first['context']}-token context")
     plot_pareto(rows, path, note)

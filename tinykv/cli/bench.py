@@ -156,11 +156,14 @@ def replot(args) -> None:
             report = json.loads(read_text(name, "bench quality --replot"))
         except json.JSONDecodeError as e:
             raise UsageError(f"--replot {name}: not JSON ({e.msg}, line {e.lineno})") from None
-        if not isinstance(report, dict) or "texts" not in report or "rows" not in report:
-            raise UsageError(f"--replot {name}: not a bench quality report with texts")
-        reports.append(report)
+        runs = report.get("runs", [report]) if isinstance(report, dict) else []
+        found = [r for r in runs if isinstance(r, dict) and "texts" in r and "rows" in r]
+        if not found:
+            raise UsageError(f"--replot {name}: no bench quality report with texts in it")
+        reports += found  # a report, or a collection of them under "runs"
     quality.chart(reports, args.plot)
-    print(f"[tinykv] {args.plot}: {sum(len(r['rows']) for r in reports)} specs")
+    specs = {row["kv"] for report in reports for row in report["rows"]}
+    print(f"[tinykv] {args.plot}: {len(specs)} specs")
 
 
 def check_calibration_args(args) -> None:
