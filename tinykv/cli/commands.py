@@ -268,7 +268,7 @@ def cmd_calibrate(args) -> None:
              "values of other texts (use >= 512)")
     n = calibrate_to_file(model, tokens, args.kv, args.out, args.observer, window,
                           vllm_out=args.vllm_out, plot=args.plot,
-                          source=TextSpan.of(text, args.offset, len(tokens)))
+                          source=TextSpan.of(args.text_body, args.offset, len(tokens)))
     print(f"[tinykv] {args.out}: {args.kv} scales from {n} tokens ({args.observer})")
 
 
@@ -283,18 +283,16 @@ def cmd_calibrate_bits(args) -> None:
     """calibrate --bits: each layer's formats chosen to the budget, confirmed end to end through
     the cache on the probe tokens, printed as a table and a spec, written with its scales."""
     from .. import budget, sensitivity
-    from ..evaluate import compare, tokens_of
-    from ..plots import plot_budget
-    from ..scalefile import TextSpan, save_scales
+    from ..evaluate import tokens_of
+    from ..scalefile import TextSpan
 
     budget.check_base(args.kv)
     measured = None
     if args.sensitivities_in:
         measured = sensitivity.load(args.sensitivities_in, args.kv)
     saved = list(dict.fromkeys(f"{s.which}={s.part}" for s in measured or []))
-    texts = args.candidates or saved or list(budget.DEFAULT_CANDIDATES)
-    candidates = budget.parse_candidates(texts)
-    check_out_path(args.sensitivities_out, "--sensitivities-out")
+    candidates = budget.parse_candidates(args.candidates or saved or
+                                         list(budget.DEFAULT_CANDIDATES))
     if args.vllm_out:
         raise UsageError("--bits writes per-layer formats, which vLLM cannot serve: drop "
                          "--vllm-out")
@@ -309,12 +307,24 @@ def cmd_calibrate_bits(args) -> None:
     if args.sensitivities_out:
         sensitivity.save(args.sensitivities_out, choice.sens, args.kv)
     print(budget.table(choice.chosen, choice.sens, model.cfg.n_layers))
+    confirm_choice(args, model, choice, probe, window, plot,
+                   TextSpan.of(args.text_body, args.offset, len(tokens)))
+
+
+def confirm_choice(args, model: Transformer, choice, probe: list[int], window: int, plot: str,
+                   source) -> None:
+    """The chosen spec through the real cache on the probe tokens (chunk 16), its scale file,
+    chart and summary."""
+    from ..evaluate import compare
+    from ..plots import plot_budget
+    from ..scalefile import save_scales
+
     with make_cache(model.cfg, choice.spec, tokens=window, scales=choice.scales or None,
                     max_step_tokens=16) as cache:
         measured = compare(model, [cache], probe, window, 16, progress=True)[0]
     if choice.scales:
-        save_scales(args.out, choice.scales, model.cfg, choice.spec, args.observer, len(tokens),
-                    TextSpan.of(text, args.offset, len(tokens)))
+        save_scales(args.out, choice.scales, model.cfg, choice.spec, args.observer,
+                    source.tokens, source)
     plot_budget(choice, measured, plot)
     change = 100 * (measured.ppl / measured.ref_ppl - 1)
     print(f"[tinykv] spec, {choice.bits:.3f} bits/element all in at {args.context} tokens: "

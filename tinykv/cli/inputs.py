@@ -54,10 +54,12 @@ def io_paths(args: argparse.Namespace) -> tuple[dict, dict]:
     """(outputs, inputs) of the run by flag: the files it writes, the files and folders it
     reads."""
     inputs = {"--weights": getattr(args, "weights", None) or DEFAULT_DIR}
-    for dest in ("text", "kv_scales", "filler", "readme", "prompt_file", "batch"):
+    for dest in ("text", "kv_scales", "filler", "readme", "prompt_file", "batch",
+                 "calibration_text", "second_text", "sensitivities_in"):
         inputs[f"--{dest.replace('_', '-')}"] = getattr(args, dest, None)
     outputs = {"--out": getattr(args, "out", None), "--plot": getattr(args, "plot", None),
-               "--vllm-out": getattr(args, "vllm_out", None)}
+               "--vllm-out": getattr(args, "vllm_out", None),
+               "--sensitivities-out": getattr(args, "sensitivities_out", None)}
     if args.cmd == "bench" and args.readme and not args.bench_cmd:
         outputs["--out"] = None  # it only prints
     if args.cmd == "bench" and args.bench_cmd == "profile":

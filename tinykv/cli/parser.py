@@ -136,23 +136,19 @@ def add_calibrate_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--observer", default="minmax", metavar="NAME",
                    help="minmax | percentile:P | meanstd:K")
     c.add_argument("--vllm-out", metavar="FILE", help="also write the scales in vLLM's names")
-    c.add_argument("--plot", metavar="PNG", help="per-channel key/value magnitudes (with "
-                   "--bits: each layer's sensitivity and choice)")
-    c.add_argument("--bits", type=float_range(1, 32), metavar="B",
-                   help="choose each layer's K and V format (from --candidates) within B bits "
-                        "per element, all in at --context; --kv gives residual= and sink=")
-    c.add_argument("--candidates", nargs="+", metavar="PART",
-                   help="formats --bits chooses from: k=FORMAT, v=FORMAT or FORMAT (both); "
-                        "default: smoothed int2/int4 keys, rotated int2/int4 values, int8")
+    c.add_argument("--plot", metavar="PNG", help="key/value magnitudes per channel (--bits: each "
+                   "layer's errors and choice)")
+    c.add_argument("--bits", type=float_range(1, 32), metavar="B", help="choose each layer's K/V "
+                   "format within B bits/element, all in; --kv gives residual= and sink=")
+    c.add_argument("--candidates", nargs="+", metavar="PART", help="--bits chooses from these: "
+                   "k=FORMAT, v=FORMAT or FORMAT (default: 2- and 4-bit rotated, int8)")
     c.add_argument("--context", type=POSITIVE, default=8192, metavar="N",
-                   help="--bits counts the sink and window tokens of a sequence this long")
+                   help="--bits counts the sinks and window of a sequence this long")
     c.add_argument("--probe-tokens", type=POSITIVE, default=2048, metavar="N",
                    help="--bits measures each layer's error on the first N tokens")
-    c.add_argument("--sensitivities-out", metavar="JSON",
-                   help="--bits: also write every layer's measured errors here")
+    c.add_argument("--sensitivities-out", metavar="JSON", help="--bits: save the errors too")
     c.add_argument("--sensitivities-in", metavar="JSON",
-                   help="--bits: choose from errors measured before (same residual= and sink=) "
-                        "instead of measuring them")
+                   help="--bits: choose from saved errors (same residual= and sink=)")
     add_text_args(c, 8192)
     add_model_args(c)
     c.set_defaults(prog=c.prog)
@@ -301,21 +297,15 @@ def add_quality_parser(bsub: argparse._SubParsersAction) -> None:
     q.add_argument("--kv", type=kv_spec, nargs="+", metavar="SPEC",
                    default=[kv_spec(s) for s in ("fp16", "int8", "int4:rot")],
                    help="KV specs, one row each (the first is the baseline)")
-    q.add_argument("--kv-scales", metavar="FILE",
-                   help="static scales, centers and smoothing maps for the specs that take them "
-                        "(calibrated on other tokens than the measured ones)")
-    q.add_argument("--calibration-text", metavar="FILE",
-                   help="calibrate each spec that takes scales, means or maps on this text "
-                        "instead (never on the measured tokens)")
-    q.add_argument("--calibration-offset", type=NON_NEGATIVE, default=0, metavar="N",
-                   help="skip this many tokens of --calibration-text")
-    q.add_argument("--calibration-tokens", type=POSITIVE, default=8192, metavar="N",
-                   help="calibrate on at most this many tokens")
-    q.add_argument("--second-text", metavar="FILE",
-                   help="a second text to measure, read from its start (at most --max-tokens), "
-                        "e.g. tinykv/data/sample.txt")
+    q.add_argument("--kv-scales", metavar="FILE", help="scales, means and maps for the specs "
+                   "that take them (calibrated on other tokens than the measured ones)")
+    q.add_argument("--calibration-text", metavar="FILE", help="or calibrate each such spec on "
+                   "this text (never on the measured tokens)")
+    q.add_argument("--calibration-offset", type=NON_NEGATIVE, default=0, metavar="N")
+    q.add_argument("--calibration-tokens", type=POSITIVE, default=8192, metavar="N")
+    q.add_argument("--second-text", metavar="FILE", help="a second text, from its start")
     q.add_argument("--context", type=POSITIVE, default=8192, metavar="N",
-                   help="bits/element count the sink and window tokens of a sequence this long")
+                   help="bits/element count the sinks and window of a sequence this long")
     q.add_argument("--chunk", type=POSITIVE, default=16, metavar="C", help="tokens fed per step")
     add_passkey_args(q, "2000")
     q.add_argument("--filler", metavar="FILE", help="passkey filler text (default: built in)")
@@ -323,9 +313,8 @@ def add_quality_parser(bsub: argparse._SubParsersAction) -> None:
     q.add_argument("--no-passkey", action="store_true", help="perplexity only")
     q.add_argument("--out", default="bench/quality-new.json", metavar="JSON",
                    help="results JSON")
-    q.add_argument("--plot", metavar="PNG",
-                   help="bits/element against perplexity and KL, one colour per technique")
-    q.add_argument("--replot", nargs="+", metavar="JSON",
-                   help="measure nothing: chart the rows of these saved --out files (--plot)")
+    q.add_argument("--plot", metavar="PNG", help="bits/element against perplexity and KL")
+    q.add_argument("--replot", nargs="+", metavar="JSON", help="measure nothing: chart saved "
+                   "results (--out files, or bench/quality.json)")
     add_text_args(q, 8192)
     add_model_args(q)
