@@ -24,6 +24,7 @@ from tqdm import tqdm
 from .calibrate import Recorder, scales_from
 from .evaluate import as_stored
 from .model import Config, Transformer
+from .outputs import write_text
 from .quant import Transform, bytes_per_token, layer_transforms
 from .spec import KVSpec, QuantParams
 
@@ -175,7 +176,7 @@ def save(path: str | Path, sens: list[Sensitivity], base: KVSpec) -> None:
     rows = [{"layer": s.layer, "which": s.which, "part": str(s.part), "bits": s.bits,
              "kl": s.kl} for s in sens]
     text = json.dumps({"residual": base.residual, "sink": base.sink, "sensitivities": rows})
-    Path(path).write_text(text + "\n")
+    write_text(path, text + "\n")
 
 
 def load(path: str | Path, base: KVSpec) -> list[Sensitivity]:

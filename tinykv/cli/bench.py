@@ -7,7 +7,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from .commands import check_cache_args, check_io, load_model, warn, window_of
+from .commands import check_io, load_model, warn, window_of
 from .flags import given_flags
 from .inputs import UsageError, read_text
 
