@@ -128,7 +128,8 @@ def test_allocation_is_the_best_within_the_budget(seed):
     g = torch.Generator().manual_seed(seed)
     parts = [(QuantParams.parse(f), b) for f, b in (("int2:g32", 2.5), ("int2:g64", 2.25),
                                                     ("int4", 4.25), ("int8", 8.25))]
-    sens = [Sensitivity(layer, w, p, bits, float(torch.rand(1, generator=g)) / bits)
+    sens = [Sensitivity(layer=layer, which=w, part=p, bits=bits,
+                        kl=float(torch.rand(1, generator=g)) / bits)
             for layer in range(3) for w in "kv" for p, bits in parts]
     total = 6 * 2.25 + float(torch.rand(1, generator=g)) * 12
     chosen = budget.allocate(sens, 3, total)
@@ -145,14 +146,14 @@ def test_spec_of_writes_each_layers_choice():
     v2, v8 = QuantParams.parse("int2:g32:rot"), QuantParams.parse("int8")
     picks = {0: (k4, v8), 1: (k2, v2), 2: (k2, v2), 3: (k4, v2), 4: (k2, v2), 5: (v8, v8),
              6: (v8, v8), 7: (k2, v2)}
-    chosen = {(layer, w): Sensitivity(layer, w, p, 0.0, 0.0)
+    chosen = {(layer, w): Sensitivity(layer=layer, which=w, part=p, bits=0.0, kl=0.0)
               for layer, kv in picks.items() for w, p in zip("kv", kv)}
     spec = budget.spec_of(base, chosen, 8)
     assert str(spec) == ("k=int2:g32:rot:center:smooth,v=int2:g32:rot,k@0:3=int4:rot,"
                          "k@5:6=int8,v@0:5:6=int8,residual=64,sink=16")
     assert spec.layer_parts(8) == [picks[layer] for layer in range(8)]
     picks[0] = (k2, v2)  # K and V of layers 5 and 6 alike: one part for both
-    chosen = {(layer, w): Sensitivity(layer, w, p, 0.0, 0.0)
+    chosen = {(layer, w): Sensitivity(layer=layer, which=w, part=p, bits=0.0, kl=0.0)
               for layer, kv in picks.items() for w, p in zip("kv", kv)}
     assert "k@3=int4:rot,@5:6=int8," in str(budget.spec_of(base, chosen, 8))
     assert KVSpec.parse(str(spec)) == spec

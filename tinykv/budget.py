@@ -207,9 +207,9 @@ def choose(model: Transformer, tokens: list[int], probe: list[int], base: KVSpec
     chosen = allocate(sens, cfg.n_layers, total)
     spec = spec_of(base, chosen, cfg.n_layers)
     scales = scales_from(rec, spec)[0] if spec.needs_scales else {}
-    return Choice(sens, chosen, spec, scales,
-                  bits_per_element(cfg, spec, context, block_size, dtype),
-                  sum(s.kl for s in chosen.values()))
+    return Choice(sens=sens, chosen=chosen, spec=spec, scales=scales,
+                  bits=bits_per_element(cfg, spec, context, block_size, dtype),
+                  predicted_kl=sum(s.kl for s in chosen.values()))
 
 
 def _measured(sens: list[Sensitivity], candidates: list[tuple[str, QuantParams]],

@@ -183,8 +183,10 @@ def _result(cache: PagedKVCache, t: _Tally, windows: int, window: int, chunk: in
     if not math.isfinite(t.nll):
         raise EvalError(f"perplexity under '{cache.spec}' is not finite: the cache overflowed or "
                         "its scales are unusable")
-    out = EvalResult(str(cache.spec), math.exp(t.nll / t.n), t.nll / t.n, t.n, windows, window,
-                     chunk, cache.bytes_per_token, cache.saturated, t.seconds)
+    out = EvalResult(kv=str(cache.spec), ppl=math.exp(t.nll / t.n), nll=t.nll / t.n,
+                     tokens=t.n, windows=windows, window=window, chunk=chunk,
+                     kv_bytes_per_token=cache.bytes_per_token, saturated=cache.saturated,
+                     seconds=t.seconds)
     if reference:
         mean = (t.nll - t.ref_nll) / t.n
         var = max(t.delta_sq / t.n - mean * mean, 0.0)
@@ -250,49 +252,53 @@ def attention_error(model: Transformer, tokens: list[int], spec: KVSpec, block_s
     transforms = layer_transforms(spec, model.cfg.n_layers, model.cfg.head_dim, static_scales)
     Q, K, V = (as_cached(rec.stacked(w), w, transforms) for w in "qkv")  # (L, heads, T, D)
     parts = spec.layer_parts(model.cfg.n_layers)  # skipped layers: fp32, exact
-    T, n_rep = K.shape[2], Q.shape[1] // K.shape[1]
-    exact = _exact_mask(T, spec, block_size)[None, :, None]  # (1, T, 1)
-    causal = torch.ones(T, T, dtype=torch.bool).tril()
-    sm = 1.0 / math.sqrt(K.shape[-1])
+    exact = _exact_mask(K.shape[2], spec, block_size)[None, :, None]  # (1, T, 1)
+    scales = static_scales or {}
     out = []
-
-    def stored(x: torch.Tensor, p: QuantParams, name: str, layer: int) -> torch.Tensor:
-        """x (H, T, D) as the cache holds it, repeated for the query heads: (Hq, T, D)."""
-        scales = static_scales or {}
-        scale, zero = scales.get(f"{name}_scale"), scales.get(f"{name}_zero")
-        if scale is not None:
-            scale = scale[layer]
-        if zero is not None:
-            zero = zero[layer]
-        y = as_stored(x, p, block_size, scale, zero)
-        return torch.where(exact, x, y).repeat_interleave(n_rep, 0)
-
-    def one_minus_cos(a: torch.Tensor, b: torch.Tensor, t: Transform) -> float:
-        """Outputs (Hq, T, D) over stored values compared as the layer outputs them."""
-        a, b = t.output(a.transpose(0, 1)), t.output(b.transpose(0, 1))  # (T, Hq, D)
-        return (1 - F.cosine_similarity(a, b, dim=-1)).mean().item()
-
-    def log_probs(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-        """Causal attention log-probabilities of q over k (Hq, T, D) each: (Hq, T, T)."""
-        scores = (q @ k.transpose(1, 2)) * sm
-        return scores.masked_fill(~causal, float("-inf")).log_softmax(-1)
-
     for layer in range(K.shape[0]):
-        q = Q[layer]  # (Hq, T, D)
-        k = K[layer].repeat_interleave(n_rep, 0)  # exact keys and values, (Hq, T, D)
-        v = V[layer].repeat_interleave(n_rep, 0)
-        k_st = stored(K[layer], parts[layer][0], "k", layer)  # as stored, (Hq, T, D)
-        v_st = stored(V[layer], parts[layer][1], "v", layer)
-        logp, logp_st = log_probs(q, k), log_probs(q, k_st)  # (Hq, T, T)
-        probs, probs_st = logp.exp(), logp_st.exp()
-        # (Hq, T); masked out where 0 * (-inf - -inf) is NaN
-        kl = (probs * (logp - logp_st)).masked_fill(~causal, 0.0).sum(-1)
-        o, t = probs @ v, transforms[layer]
-        out.append({"layer": layer, "kl_k": kl.mean().item(),
-                    "cos_k": one_minus_cos(probs_st @ v, o, t),
-                    "cos_v": one_minus_cos(probs @ v_st, o, t),
-                    "cos_kv": one_minus_cos(probs_st @ v_st, o, t)})
+        k_st, v_st = (torch.where(exact, x, _stored_layer(x, p, name, layer, block_size, scales))
+                      for x, p, name in zip((K[layer], V[layer]), parts[layer], "kv"))
+        errors = _layer_errors(Q[layer], (K[layer], V[layer]), (k_st, v_st), transforms[layer])
+        out.append({"layer": layer, **errors})
     return out
+
+
+def _stored_layer(x: torch.Tensor, p: QuantParams, name: str, layer: int, block_size: int,
+                  scales: dict[str, torch.Tensor]) -> torch.Tensor:
+    """One layer's keys or values x (H, T, D) as the store pool holds them (static scales, if
+    any, from this layer's row of the file)."""
+    scale, zero = scales.get(f"{name}_scale"), scales.get(f"{name}_zero")
+    return as_stored(x, p, block_size, None if scale is None else scale[layer],
+                     None if zero is None else zero[layer])
+
+
+def _layer_errors(q: torch.Tensor, exact: tuple[torch.Tensor, torch.Tensor],
+                  stored: tuple[torch.Tensor, torch.Tensor], t: Transform) -> dict[str, float]:
+    """One layer's errors: queries q (Hq, T, D) against exact and stored (keys, values), each
+    (H, T, D), repeated here for the query heads."""
+    n_rep = q.shape[0] // exact[0].shape[0]
+    k, v, k_st, v_st = (x.repeat_interleave(n_rep, 0) for x in (*exact, *stored))  # (Hq, T, D)
+    causal = torch.ones(q.shape[1], q.shape[1], dtype=torch.bool).tril()
+    logp, logp_st = _causal_log_probs(q, k, causal), _causal_log_probs(q, k_st, causal)
+    probs, probs_st = logp.exp(), logp_st.exp()  # (Hq, T, T)
+    # (Hq, T); masked out where 0 * (-inf - -inf) is NaN
+    kl = (probs * (logp - logp_st)).masked_fill(~causal, 0.0).sum(-1)
+    o = probs @ v
+    return {"kl_k": kl.mean().item(), "cos_k": _one_minus_cos(probs_st @ v, o, t),
+            "cos_v": _one_minus_cos(probs @ v_st, o, t),
+            "cos_kv": _one_minus_cos(probs_st @ v_st, o, t)}
+
+
+def _causal_log_probs(q: torch.Tensor, k: torch.Tensor, causal: torch.Tensor) -> torch.Tensor:
+    """Causal attention log-probabilities of q over k (Hq, T, D) each: (Hq, T, T)."""
+    scores = (q @ k.transpose(1, 2)) / math.sqrt(k.shape[-1])
+    return scores.masked_fill(~causal, float("-inf")).log_softmax(-1)
+
+
+def _one_minus_cos(a: torch.Tensor, b: torch.Tensor, t: Transform) -> float:
+    """Outputs (Hq, T, D) over stored values compared as the layer outputs them."""
+    a, b = t.output(a.transpose(0, 1)), t.output(b.transpose(0, 1))  # (T, Hq, D)
+    return (1 - F.cosine_similarity(a, b, dim=-1)).mean().item()
 
 
 # ---- reporting ----------------------------------------------------------------------------------

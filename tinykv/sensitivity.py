@@ -160,14 +160,16 @@ def sensitivities(model: Transformer, rec: Recorder, probe: list[int], base: KVS
         for layer in range(L):
             for c, (which, p, transforms, scales) in enumerate(probes):
                 k, v = (p, QuantParams("fp32")) if which == "k" else (QuantParams("fp32"), p)
-                step.lowered = _Lowered(layer, transforms[layer], k, v, scales)
+                step.lowered = _Lowered(layer=layer, transform=transforms[layer], k=k, v=v,
+                                        scales=scales)
                 logp = _resume(model, inputs[layer], layer, step).log_softmax(-1)
                 kl[layer, c] += (ref.exp() * (ref - logp)).sum(-1).sum().item()
                 bar.update()
         step.lowered = None
     bar.close()
     kl /= sum(len(w) for w in wins)
-    return [Sensitivity(layer, which, p, part_bits(model.cfg, p, block_size), float(kl[layer, c]))
+    return [Sensitivity(layer=layer, which=which, part=p, bits=part_bits(model.cfg, p, block_size),
+                        kl=float(kl[layer, c]))
             for layer in range(L) for c, (which, p, _, _) in enumerate(probes)]
 
 
@@ -184,8 +186,8 @@ def load(path: str | Path, base: KVSpec) -> list[Sensitivity]:
     every error)."""
     try:
         saved = json.loads(Path(path).read_text())
-        sens = [Sensitivity(r["layer"], r["which"], QuantParams.parse(r["part"]), r["bits"],
-                            r["kl"]) for r in saved["sensitivities"]]
+        sens = [Sensitivity(layer=r["layer"], which=r["which"], part=QuantParams.parse(r["part"]),
+                            bits=r["bits"], kl=r["kl"]) for r in saved["sensitivities"]]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{path}: not a sensitivities file ({e})") from None
     if (saved["residual"], saved["sink"]) != (base.residual, base.sink):

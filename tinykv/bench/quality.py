@@ -92,7 +92,8 @@ def text_results(model: Transformer, specs: list[KVSpec], scales: list[dict | No
 
 
 def _text_result(label: str, r: EvalResult) -> TextResult:
-    return TextResult(label, r.tokens, r.ppl, r.ref_ppl, r.kl, r.top1, r.delta_se)
+    return TextResult(text=label, tokens=r.tokens, ppl=r.ppl, ref_ppl=r.ref_ppl, kl=r.kl,
+                      top1=r.top1, delta_se=r.delta_se)
 
 
 def table(rows: list[QualityRow]) -> str:
