@@ -236,6 +236,10 @@ def test_cli_calibrate_bits(hf_dir, tmp_path, capsys):
     assert capsys.readouterr().out.split("\n")[:5] == printed.split("\n")[:5]
     assert main([*reuse, "--kv", "fp16,residual=32"]) == 1
     assert "measured with residual=16, sink=0" in capsys.readouterr().err
+    # --bits' own flags without --bits would be ignored: refused before the model loads
+    assert main(["calibrate", *common, "--kv", "int4:center", "--out", str(out),
+                 "--probe-tokens", "128"]) == 1
+    assert "--probe-tokens does not apply without --bits" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("kv,scales,why", [

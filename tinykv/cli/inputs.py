@@ -101,6 +101,9 @@ NOT_USED = [
     ("bench peers", lambda a: a.no_ppl, "with --no-ppl", ("window", "offset", "max_tokens")),
     ("generate", lambda a: not a.host_blocks, "without --host-blocks", ("stage_blocks",)),
     ("eval", lambda a: not a.host_blocks, "without --host-blocks", ("stage_blocks",)),
+    ("calibrate", lambda a: a.bits is None, "without --bits",
+     ("candidates", "context", "probe_tokens", "sensitivities_out", "sensitivities_in")),
+    ("bench quality", lambda a: a.no_ppl, "with --no-ppl", ("second_text",)),
 ]
 
 
