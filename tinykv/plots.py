@@ -200,10 +200,15 @@ def _legend_and_key(fig, key, rows: list[dict], key_lines: int) -> None:
     fig.legend(handles=handles, fontsize=8, loc="upper center", ncol=6,
                bbox_to_anchor=(0.5, 0.965), frameon=False)
     key.axis("off")
-    lines = [f"{i + 1:>2}  {r['kv']}" for i, r in enumerate(rows)]
+    lines = [f"{i + 1:>2}  {_shortened(r['kv'])}" for i, r in enumerate(rows)]
     for col, chunk in enumerate((lines[:key_lines], lines[key_lines:])):
         key.text(0.5 * col, 1, "\n".join(chunk), va="top", family="monospace", fontsize=7.5,
                  transform=key.transAxes)
+
+
+def _shortened(kv: str, width: int = 84) -> str:
+    """A spec cut to its half of the key (a per-layer spec runs long; the JSON holds it all)."""
+    return kv if len(kv) <= width else kv[:width - 3] + "..."
 
 
 def _number_points(fig, ax, x: list[float], y: list[float]) -> None:
