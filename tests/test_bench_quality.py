@@ -130,3 +130,11 @@ def test_replot(tmp_path, capsys):
     assert "not JSON" in capsys.readouterr().err
     assert main(["bench", "quality", "--replot", str(tmp_path / "q.json")]) == 1
     assert "--replot needs --plot PNG" in capsys.readouterr().err
+    # a collection (bench/quality.json): runs without perplexity (passkey only) are passed over
+    passkey_only = {**report, "texts": [], "rows": [{"kv": "fp16", "texts": []}]}
+    (tmp_path / "runs.json").write_text(json.dumps({"runs": [passkey_only, report]}))
+    assert main(["bench", "quality", "--replot", str(tmp_path / "runs.json"), "--plot", png]) == 0
+    assert "3 specs" in capsys.readouterr().out
+    (tmp_path / "none.json").write_text(json.dumps({"runs": [passkey_only]}))
+    assert main(["bench", "quality", "--replot", str(tmp_path / "none.json"), "--plot", png]) == 1
+    assert "no bench quality report with texts" in capsys.readouterr().err

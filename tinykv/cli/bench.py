@@ -157,7 +157,7 @@ def replot(args) -> None:
         except json.JSONDecodeError as e:
             raise UsageError(f"--replot {name}: not JSON ({e.msg}, line {e.lineno})") from None
         runs = report.get("runs", [report]) if isinstance(report, dict) else []
-        found = [r for r in runs if isinstance(r, dict) and "texts" in r and "rows" in r]
+        found = [r for r in runs if isinstance(r, dict) and r.get("texts") and "rows" in r]
         if not found:
             raise UsageError(f"--replot {name}: no bench quality report with texts in it")
         reports += found  # a report, or a collection of them under "runs"
