@@ -138,3 +138,31 @@ def test_replot(tmp_path, capsys):
     (tmp_path / "none.json").write_text(json.dumps({"runs": [passkey_only]}))
     assert main(["bench", "quality", "--replot", str(tmp_path / "none.json"), "--plot", png]) == 1
     assert "no bench quality report with texts" in capsys.readouterr().err
+
+
+def test_older_runs_join_the_perplexity_panel(hf_dir, tmp_path, capsys):  # noqa: F811
+    """Runs from before KL (perplexity alone) are charted when they measured the same tokens
+    alike: their bits counted as new rows' are, perplexity against the model's own."""
+    pytest.importorskip("matplotlib")
+    cfg = Transformer.from_pretrained(hf_dir, device="cpu").cfg
+    like = {"texts": ["text.txt tokens 0-512"], "window": 64, "chunk": 16, "context": 1024,
+            "rows": [{"kv": "int4:rot,k@0=int8", "bits_per_element": 4.9,
+                      "texts": [{"ppl": 11.0, "ref_ppl": 10.0, "kl": 0.01}]}]}
+    old = {"command": "bench quality --text text.txt", "window": 64, "chunk": 16,
+           "ppl_tokens": 512, "rows": [{"kv": "int4,residual=16", "ppl": 12.0},
+                                        {"kv": "int8", "ppl": 10.5}]}
+    rows = quality.legacy_rows(old, like, cfg)
+    assert [r["kv"] for r in rows] == ["int4,residual=16", "int8"]
+    want = bits_per_element(cfg, KVSpec.parse("int4,residual=16"), 1024)
+    assert rows[0]["bits_per_element"] == want > 4.25  # the window counted at fp32
+    assert rows[0]["texts"] == [{"ppl": 12.0, "ref_ppl": 10.0, "kl": None}]
+    for other in ({"command": old["command"] + " --offset 512"}, {"window": 128},
+                  {"ppl_tokens": 256}, {"command": "bench quality --text other.txt"}):
+        assert quality.legacy_rows({**old, **other}, like, cfg) == []  # other tokens or setting
+    assert quality.legacy_rows(old, like, None) == []  # no config: nothing to count bits with
+    (tmp_path / "runs.json").write_text(json.dumps({"runs": [old, like]}))
+    png = str(tmp_path / "q.png")
+    assert main(["bench", "quality", "--replot", str(tmp_path / "runs.json"), "--plot", png,
+                 "--weights", str(hf_dir)]) == 0
+    assert "3 specs" in capsys.readouterr().out
+    assert (tmp_path / "q.png").read_bytes()[:4] == b"\x89PNG"

@@ -142,7 +142,8 @@ def pareto(points: list[tuple[float, float]]) -> list[int]:
 def plot_pareto(rows: list[dict], path: str | Path, note: str) -> None:
     """PNG: each spec's bits per element against its perplexity increase (symlog, %) and its
     mean KL (log), one colour per technique family, the frontier drawn, each point numbered and
-    the numbers keyed below. rows: bench quality's JSON rows (with `texts`)."""
+    the numbers keyed below. rows: bench quality's JSON rows (with `texts`; a row whose KL is
+    None is on the perplexity panel only)."""
     plt = pyplot()
     rows = [r for r in rows if r.get("texts")]
     key_lines = (len(rows) + 1) // 2
@@ -151,9 +152,11 @@ def plot_pareto(rows: list[dict], path: str | Path, note: str) -> None:
     axes = [fig.add_subplot(grid[0, i]) for i in range(2)]
     x = [r["bits_per_element"] for r in rows]
     change = [100 * (r["texts"][0]["ppl"] / r["texts"][0]["ref_ppl"] - 1) for r in rows]
-    kl = [max(r["texts"][0]["kl"], 1e-6) for r in rows]
-    for ax, y, goal in zip(axes, (change, kl), (1, 0.01)):
-        _pareto_panel(ax, rows, x, y)
+    with_kl = [i for i, r in enumerate(rows) if r["texts"][0]["kl"] is not None]
+    kl = [max(rows[i]["texts"][0]["kl"], 1e-6) for i in with_kl]  # older runs measured no KL
+    panels = [(range(len(rows)), change), (with_kl, kl)]  # (which rows, their y)
+    for ax, (which, y), goal in zip(axes, panels, (1, 0.01)):
+        _pareto_panel(ax, [rows[i] for i in which], [x[i] for i in which], y)
         ax.axhline(goal, color="tab:red", ls=":", lw=1)
     axes[0].set_yscale("symlog", linthresh=1)  # linear within +-1%, logarithmic beyond
     ticks = [t for t in (-1, 0, 0.5, 1, 2, 5, 10, 20, 50, 100, 200) if t <= 2 * max(change)]
@@ -161,13 +164,15 @@ def plot_pareto(rows: list[dict], path: str | Path, note: str) -> None:
     axes[0].set_ylim(min(-0.3, 1.2 * min(change)), 1.5 * max(change))
     axes[0].set_ylabel("perplexity over the model's own (uncached fp32)")
     axes[1].set_yscale("log")
-    axes[1].set_ylim(0.5 * min(kl), 2 * max(kl))
+    axes[1].set_ylim(min(0.5 * min(kl), 0.005), max(2 * max(kl), 0.02))  # the goal in view
+    if len(kl) < len(rows):
+        axes[1].set_title("older runs measured perplexity alone: left panel only", fontsize=8)
     axes[1].set_ylabel("mean KL(model || cache) per token, nats")
     _legend_and_key(fig, fig.add_subplot(grid[1, :]), rows, key_lines)
     fig.suptitle(note, fontsize=10)
     fig.tight_layout(rect=(0, 0, 1, 0.93))  # room for the title and the legend above
-    for ax, y in zip(axes, (change, kl)):  # placed once the layout has settled
-        _number_points(fig, ax, x, y)
+    for ax, (which, y) in zip(axes, panels):  # placed once the layout has settled
+        _number_points(fig, ax, [x[i] for i in which], y, [i + 1 for i in which])
     save_figure(fig, path, dpi=110)
 
 
@@ -211,7 +216,7 @@ def _shortened(kv: str, width: int = 84) -> str:
     return kv if len(kv) <= width else kv[:width - 3] + "..."
 
 
-def _number_points(fig, ax, x: list[float], y: list[float]) -> None:
+def _number_points(fig, ax, x: list[float], y: list[float], numbers: list[int]) -> None:
     """Each point's number beside it, where it covers no other number nor point: the first
     free place of 24 around the point (nearest first), in display pixels."""
     fig.canvas.draw()
@@ -220,7 +225,7 @@ def _number_points(fig, ax, x: list[float], y: list[float]) -> None:
     places = [(r * dx - (dx < 0) * 0.6, r * dy) for r in (1, 2, 3) for dx, dy in
               ((1, 0.3), (1, -1.3), (-1, 0.3), (-1, -1.3), (0, 1), (0, -2), (1, 1), (-1, 1))]
     for i, (px, py) in enumerate(dots):
-        w, h = 7 * len(str(i + 1)), 11
+        w, h = 7 * len(str(numbers[i])), 11
         for fx, fy in places + [(1, 0.3)]:  # crowded all round: the first place anyway
             dx, dy = 8 * fx - (w if fx < 0 else 0), 8 * fy
             box = (px + dx, py + dy, px + dx + w, py + dy + h)
@@ -228,5 +233,5 @@ def _number_points(fig, ax, x: list[float], y: list[float]) -> None:
                    for t in taken):
                 break
         taken.append(box)
-        ax.annotate(str(i + 1), (x[i], y[i]), xytext=(dx, dy), textcoords="offset pixels",
+        ax.annotate(str(numbers[i]), (x[i], y[i]), xytext=(dx, dy), textcoords="offset pixels",
                     fontsize=7.5)

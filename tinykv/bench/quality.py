@@ -26,7 +26,7 @@ import torch
 from ..budget import bits_per_element
 from ..cache import make_cache
 from ..evaluate import EvalResult, compare
-from ..model import Transformer
+from ..model import Config, Transformer
 from ..outputs import write_text
 from ..passkey import run_passkey
 from ..plots import plot_pareto
@@ -156,13 +156,37 @@ def run(model: Transformer, path: Path, specs: list[KVSpec],
     return rows
 
 
-def chart(reports: list[dict], path: str | Path) -> None:
+def chart(reports: list[dict], path: str | Path, earlier: list[dict] | None = None,
+          cfg: Config | None = None) -> int:
     """The quality chart (plots.plot_pareto) of the rows of saved reports, measured alike (a spec
     measured twice: its last row): the note names the first report's text, window, chunk and
-    context."""
+    context. `earlier`: runs from before KL was measured (perplexity alone), charted on the
+    perplexity panel when they fed the first text's tokens alike (legacy_rows). Returns the
+    number of specs charted."""
     first = reports[0]
-    latest = {row["kv"]: row for report in reports for row in report["rows"]}  # one per spec
+    legacy = [row for run in earlier or [] for row in legacy_rows(run, first, cfg)]
+    latest = {row["kv"]: row for report in [{"rows": legacy}, *reports]
+              for row in report["rows"]}  # one per spec, the newest measurement
     rows = list(latest.values())
     note = (f"{first['texts'][0]}: windows of {first['window']} fed {first['chunk']} tokens a "
             f"step; bits counted at a {first['context']}-token context")
     plot_pareto(rows, path, note)
+    return len(rows)
+
+
+def legacy_rows(run: dict, like: dict, cfg: Config | None) -> list[dict]:
+    """The rows of an older run (perplexity only, no KL) as `like`'s rows, when it measured the
+    same tokens alike (the first N of the same text file, same window and chunk): bits per
+    element counted now, perplexity against the model's own over those windows (like's)."""
+    text = like["texts"][0]
+    same = (cfg is not None and run.get("ppl_tokens") and "--offset" not in run["command"]
+            and text.endswith(f"tokens 0-{run['ppl_tokens']}") and text.split()[0] in
+            run["command"] and (run.get("window"), run.get("chunk")) ==
+            (like["window"], like["chunk"]))
+    if not same:
+        return []
+    ref_ppl = like["rows"][0]["texts"][0]["ref_ppl"]
+    return [{"kv": r["kv"], "bits_per_element": bits_per_element(cfg, KVSpec.parse(r["kv"]),
+                                                                 like["context"]),
+             "texts": [{"ppl": r["ppl"], "ref_ppl": ref_ppl, "kl": None}]}
+            for r in run["rows"] if r.get("ppl")]

@@ -150,20 +150,37 @@ def replot(args) -> None:
 
     if not args.plot:
         raise UsageError("--replot needs --plot PNG")
-    reports = []
+    reports, earlier = [], []  # runs with texts (KL); older ones, perplexity alone
     for name in args.replot:
         try:
             report = json.loads(read_text(name, "bench quality --replot"))
         except json.JSONDecodeError as e:
             raise UsageError(f"--replot {name}: not JSON ({e.msg}, line {e.lineno})") from None
         runs = report.get("runs", [report]) if isinstance(report, dict) else []
-        found = [r for r in runs if isinstance(r, dict) and r.get("texts") and "rows" in r]
-        if not found:
+        runs = [r for r in runs if isinstance(r, dict) and isinstance(r.get("rows"), list)]
+        found = [r for r in runs if r.get("texts")]
+        earlier += [r for r in runs if "texts" not in r and r.get("ppl_tokens")]
+        if not found and not earlier:
             raise UsageError(f"--replot {name}: no bench quality report with texts in it")
         reports += found  # a report, or a collection of them under "runs"
-    quality.chart(reports, args.plot)
-    specs = {row["kv"] for report in reports for row in report["rows"]}
-    print(f"[tinykv] {args.plot}: {len(specs)} specs")
+    if not reports:
+        raise UsageError("--replot: no bench quality report with texts (KL) among them")
+    charted = quality.chart(reports, args.plot, earlier, _config(args) if earlier else None)
+    print(f"[tinykv] {args.plot}: {charted} specs")
+
+
+def _config(args):
+    """The model's Config (its config.json alone), to count older runs' bits; None without it."""
+    from ..fetch import DEFAULT_DIR
+    from ..model import Config, ModelError
+    from ..modelfiles import Fields, ModelFileError
+
+    path = Path(args.weights or DEFAULT_DIR) / "config.json"
+    try:
+        return Config.from_hf(Fields.load(path, required=True))
+    except (ModelError, ModelFileError) as e:
+        warn(f"older runs (perplexity alone) left out of the chart: {path}: {e}")
+        return None
 
 
 def check_calibration_args(args) -> None:
