@@ -132,7 +132,9 @@ def test_replot(tmp_path, capsys):
     assert "--replot needs --plot PNG" in capsys.readouterr().err
     # a collection (bench/quality.json): runs without perplexity (passkey only) are passed over
     passkey_only = {**report, "texts": [], "rows": [{"kv": "fp16", "texts": []}]}
-    (tmp_path / "runs.json").write_text(json.dumps({"runs": [passkey_only, report]}))
+    other_text = {**report, "texts": ["u tokens 0-50"], "rows": [{**rows[1], "kv": "int8"}]}
+    (tmp_path / "runs.json").write_text(json.dumps({"runs": [passkey_only, report,
+                                                             other_text]}))
     assert main(["bench", "quality", "--replot", str(tmp_path / "runs.json"), "--plot", png]) == 0
     assert "3 specs" in capsys.readouterr().out
     (tmp_path / "none.json").write_text(json.dumps({"runs": [passkey_only]}))

@@ -159,11 +159,12 @@ def run(model: Transformer, path: Path, specs: list[KVSpec],
 def chart(reports: list[dict], path: str | Path, earlier: list[dict] | None = None,
           cfg: Config | None = None) -> int:
     """The quality chart (plots.plot_pareto) of the rows of saved reports, measured alike (a spec
-    measured twice: its last row): the note names the first report's text, window, chunk and
-    context. `earlier`: runs from before KL was measured (perplexity alone), charted on the
-    perplexity panel when they fed the first text's tokens alike (legacy_rows). Returns the
-    number of specs charted."""
+    measured twice: its last row) on the first report's first text (the note names it, its
+    window, chunk and context; reports on another text are left out). `earlier`: runs from
+    before KL was measured (perplexity alone), charted on the perplexity panel when they fed the
+    first text's tokens alike (legacy_rows). Returns the number of specs charted."""
     first = reports[0]
+    reports = [r for r in reports if r["texts"][0] == first["texts"][0]]  # other texts: apart
     legacy = [row for run in earlier or [] for row in legacy_rows(run, first, cfg)]
     latest = {row["kv"]: row for report in [{"rows": legacy}, *reports]
               for row in report["rows"]}  # one per spec, the newest measurement
