@@ -1,18 +1,33 @@
-"""Tests for tinykv/kernels/cpu.py: the Numba kernels against their torch references
-(kernels/reference.py) and, for attention, against float64 math (test_reference.attention_f64).
+"""Tests for the fused CPU kernels (tinykv/kernels/cpu*.py): attention against the torch reference
+(kernels/reference.py) and float64 math (test_reference.attention_f64), the store bit for bit
+against its reference.
 
-The first run compiles both kernels (~30 s on 2 cores); Numba caches them beside the module.
+The first run compiles a kernel per pair of formats (about a minute on 2 cores); numba caches them
+beside the modules.
+
+Tolerances. float32 accumulation: TOL, as for the reference itself. Integer keys add one error,
+derived here, not measured: the kernel dots the codes with the query rounded to int16, each
+channel at most half a step off, step = max_c |q_c * s_c| / 32767 (s_c: a channel's scale where a
+block shares it, else 1). A score sm * q . k moves by at most
+    eps = sm * step / 2 * sum_c |k_c| / s_c
+(times 1.01: the int32 dot's conversion to float32 adds at most 2^-24 of sum |q16| (|code| +
+|zero|), under 1% of the rounding's own bound since |zero| <= 2048). With every score within eps,
+the log-sum-exp moves by at most eps, and each probability by a factor within e^(+-2 eps), so an
+output moves by at most (e^(2 eps) - 1) * 2 max_t |v_t|.
 """
 
+import math
 import subprocess
 import sys
 
 import pytest
 import torch
 from pools import ATTN_CASES, make_batch, make_pool
-from test_reference import attention_f64
+from test_reference import attention_f64, dense
 
 from tinykv.kernels import cpu as kernels_cpu
+from tinykv.kernels.cpu_args import pool_arrays
+from tinykv.kernels.cpu_vector import takes
 from tinykv.kernels.reference import merge_partials, paged_attention_ref, quantize_store_ref
 from tinykv.spec import QuantParams
 
@@ -21,48 +36,108 @@ if not kernels_cpu.AVAILABLE:
 
 from tinykv.kernels.cpu import paged_attention_cpu, quantize_store_cpu  # noqa: E402
 
-TOL = dict(atol=3e-5, rtol=3e-5)
+TOL = 3e-5
+# Beyond pools.ATTN_CASES: head_dim 96, and group sizes and block sizes in new pairings.
+MORE_CASES = [
+    ("int8", "int4:g32", 3, 96, 32),
+    ("int4:asym", "int8:asym", 8, 96, 16),
+    ("int4:channel:asym", "fp16", 1, 96, 128),
+    ("bf16", "int2:asym", 4, 128, 8),
+    ("int2:g32", "int4:channel:asym", 3, 64, 16),
+]
 
 
-def check(out, ref, f64):
-    """out and ref (o, lse) both close to float64 math, and to each other; -inf where f64 is."""
-    for got, want, exact in zip(out, ref, f64):
+def rounding_bound(q, q_seq, q_pos, k, v, table, ctx, sm):
+    """(lse, o) bounds (N, Hq) on what rounding the query to int16 moves (module docstring)."""
+    N, Hq, D = q.shape
+    if k.p.is_float or k.p.dtype == "fp8":
+        return torch.zeros(N, Hq), torch.zeros(N, Hq)
+    K, V = dense(k), dense(v)  # (NB, H, BS, D) float64
+    NB, H, BS, _ = K.shape
+    s = torch.ones(NB, H, BS, D, dtype=torch.float64)  # the scale folded into the query
+    if k.p.gran not in ("token", "group"):
+        s = k.scale.double().expand(NB, H, BS, -1).repeat_interleave(D // k.scale.shape[-1], -1)
+    lse_tol, o_tol = torch.zeros(N, Hq), torch.zeros(N, Hq)
+    for n in range(N):
+        b = int(q_seq[n])
+        n_keys = min(int(q_pos[n]) + 1, int(ctx[b]))
+        keys = [(int(table[b, t // BS]), t % BS) for t in range(n_keys) if table[b, t // BS] >= 0]
+        for hq in range(Hq):
+            h = hq // (Hq // H)
+            eps = 0.0
+            for blk, t in keys:
+                step = (q[n, hq].double() * s[blk, h, t]).abs().max() / 32767
+                eps = max(eps, float(sm * step / 2 * (K[blk, h, t] / s[blk, h, t]).abs().sum()))
+            eps *= 1.01
+            v_max = max([float(V[blk, h, t].abs().max()) for blk, t in keys], default=0.0)
+            lse_tol[n, hq], o_tol[n, hq] = eps, math.expm1(2 * eps) * 2 * v_max
+    return lse_tol, o_tol
+
+
+def check(out, ref, f64, bound):
+    """out (o, lse) within TOL + the rounding bound of float64 math, and of the reference (whose
+    own distance from float64 is TOL); -inf exactly where float64 has it."""
+    for got, want, exact, extra in zip(out, ref, f64, reversed(bound)):
         assert got.dtype == torch.float32 and got.shape == want.shape
-        torch.testing.assert_close(got, want, **TOL)
-        torch.testing.assert_close(got.double(), exact, **TOL)
+        if got.dim() == 3:
+            extra = extra[..., None]
+        assert torch.equal(torch.isneginf(got), torch.isneginf(exact))
+        finite = torch.isfinite(exact)
+        tol = (TOL + TOL * exact.abs() + extra)[finite]
+        assert ((got.double() - exact).abs()[finite] <= tol).all()
+        assert ((got - want).double().abs()[finite] <= tol + TOL).all()
 
 
-@pytest.mark.parametrize("kspec,vspec,n_rep,D,BS", ATTN_CASES)
-def test_attention_matches_reference_and_float64(kspec, vspec, n_rep, D, BS):
+def with_threads(n: int):
+    """torch's (and so the kernel's) thread count for one test, restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    return before
+
+
+@pytest.mark.parametrize("kspec,vspec,n_rep,D,BS,threads",
+                         [c + (1,) for c in ATTN_CASES + MORE_CASES]
+                         + [c + (2,) for c in (ATTN_CASES[3], MORE_CASES[0], ATTN_CASES[7])])
+def test_attention_matches_reference_and_float64(kspec, vspec, n_rep, D, BS, threads):
     gen = torch.Generator().manual_seed(n_rep * 1000 + D + BS)
     H = 2
     k, v = make_pool(kspec, H, BS, D, gen), make_pool(vspec, H, BS, D, gen)
     q, q_seq, q_pos, table, ctx = make_batch(BS, H * n_rep, D, gen)  # decode rows + a 3-chunk
-    ref = paged_attention_ref(q, q_seq, q_pos, k, v, table, ctx, D**-0.5)
-    f64 = attention_f64(q, q_seq, q_pos, k, v, table, ctx, D**-0.5)
+    sm = D**-0.5
+    ref = paged_attention_ref(q, q_seq, q_pos, k, v, table, ctx, sm)
+    f64 = attention_f64(q, q_seq, q_pos, k, v, table, ctx, sm)
+    bound = rounding_bound(q, q_seq, q_pos, k, v, table, ctx, sm)
     assert torch.isinf(f64[1][-1]).all() and f64[1][:-1].isfinite().all()  # the last sees no key
-    for splits in (None, 1, 3):  # 3 splits: some empty (context 1), some holding only the hole
-        out = paged_attention_cpu(q, q_seq, q_pos, k, v, table, ctx, D**-0.5, splits)
-        check(out, ref, f64)
-        assert (out[0][-1] == 0).all() and torch.isneginf(out[1][-1]).all()
+    before = with_threads(threads)
+    try:
+        for splits in (None, 1, 3):  # 3 splits: some empty (context 1), some holding only the hole
+            out = paged_attention_cpu(q, q_seq, q_pos, k, v, table, ctx, sm, splits)
+            check(out, ref, f64, bound)
+            assert (out[0][-1] == 0).all() and torch.isneginf(out[1][-1]).all()
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("spec,BS,D", [("int8", 16, 64), ("fp16", 128, 64), ("int4:asym", 32, 96),
-                                       ("int2:g8:asym", 16, 128), ("fp8:token", 64, 80)])
+                                       ("int2:g8:asym", 16, 128), ("fp8:token", 64, 80),
+                                       ("k=int4:channel:asym,v=int4:g32:asym", 16, 64)])
 def test_attention_long_rows_and_splits(spec, BS, D):
     """Rows over many blocks, in order and shuffled, of mixed lengths, split any number of ways;
     the n_rep = 3 heads of the default model."""
     gen = torch.Generator().manual_seed(BS + D)
     H, NB = 3, 24
-    k, v = make_pool(spec, H, BS, D, gen), make_pool(spec, H, BS, D, gen)
+    kspec, vspec = spec.split(",v=") if ",v=" in spec else (spec, spec)
+    k, v = make_pool(kspec.removeprefix("k="), H, BS, D, gen), make_pool(vspec, H, BS, D, gen)
     table = torch.stack([torch.arange(NB), torch.randperm(NB, generator=gen)]).int()
     table[1, 5] = -1  # a block held by another pool
     ctx = torch.tensor([NB * BS - 3, 7 * BS + 1], dtype=torch.int32)
     q, q_seq, q_pos = torch.randn(2, 3 * H, D, generator=gen), torch.arange(2), ctx.long() - 1
-    ref = paged_attention_ref(q, q_seq, q_pos, k, v, table, ctx, D**-0.5)
-    f64 = attention_f64(q, q_seq, q_pos, k, v, table, ctx, D**-0.5)
+    sm = D**-0.5
+    ref = paged_attention_ref(q, q_seq, q_pos, k, v, table, ctx, sm)
+    f64 = attention_f64(q, q_seq, q_pos, k, v, table, ctx, sm)
+    bound = rounding_bound(q, q_seq, q_pos, k, v, table, ctx, sm)
     for splits in (None, 2, 5, 64):
-        check(paged_attention_cpu(q, q_seq, q_pos, k, v, table, ctx, D**-0.5, splits), ref, f64)
+        check(paged_attention_cpu(q, q_seq, q_pos, k, v, table, ctx, sm, splits), ref, f64, bound)
 
 
 def test_prefill_chunks_beside_decoding_rows():
@@ -80,9 +155,50 @@ def test_prefill_chunks_beside_decoding_rows():
     q = torch.randn(len(q_seq), 3 * H, D, generator=gen)
     ref = paged_attention_ref(q, q_seq, q_pos, k, v, table, ctx, D**-0.5)
     f64 = attention_f64(q, q_seq, q_pos, k, v, table, ctx, D**-0.5)
+    bound = rounding_bound(q, q_seq, q_pos, k, v, table, ctx, D**-0.5)
     out = paged_attention_cpu(q, q_seq, q_pos, k, v, table, ctx, D**-0.5)
-    check(out, ref, f64)
+    check(out, ref, f64, bound)
     assert torch.isneginf(out[1][1:3]).all() and out[1][3:].isfinite().all()
+
+
+def test_groups_within_a_byte_go_to_the_reference():
+    """int4:g1 splits a byte's two codes between two per-token scales: not read in place."""
+    gen = torch.Generator().manual_seed(5)
+    k, v = make_pool("int4:g1", 2, 16, 64, gen), make_pool("int8", 2, 16, 64, gen)
+    q, q_seq, q_pos, table, ctx = make_batch(16, 4, 64, gen)
+    ref = paged_attention_ref(q, q_seq, q_pos, k, v, table, ctx, 0.125)
+    out = paged_attention_cpu(q, q_seq, q_pos, k, v, table, ctx, 0.125)
+    for got, want in zip(out, ref):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("kspec,vspec,n_rep,D,BS", ATTN_CASES + MORE_CASES)
+def test_vector_kernel_matches_its_plain_twin(kspec, vspec, n_rep, D, BS):
+    """Where the vector kernel takes the formats (cpu_vector.takes), it computes what the plain
+    one does, in another order: both round the query to int16 alike, so only float32 sums differ."""
+    gen = torch.Generator().manual_seed(n_rep * 100 + D + BS)
+    H = 2
+    k, v = make_pool(kspec, H, BS, D, gen), make_pool(vspec, H, BS, D, gen)
+    q, q_seq, q_pos, table, ctx = make_batch(BS, H * n_rep, D, gen)
+    keep = [0, 1, 5, 6]  # the decoding rows (a chunk goes to the reference in both)
+    args = (q[keep], torch.arange(4), q_pos[keep], k, v, table[[0, 1, 3, 4]], ctx[[0, 1, 3, 4]],
+            D**-0.5)
+    kf, k_arrays = pool_arrays(k, H, BS, D)
+    vf, _ = pool_arrays(v, H, BS, D)
+    if not takes(kf, vf, n_rep, D, BS, D // k_arrays[7]):
+        pytest.skip(f"{kspec} / {vspec} at R={n_rep}, D={D}, BS={BS}: the plain kernel only")
+    vec = kernels_cpu.CpuKernels(vector=True).attend(*args)
+    plain = kernels_cpu.CpuKernels(vector=False).attend(*args)
+    torch.testing.assert_close(vec[0], plain[0], atol=TOL, rtol=TOL)
+    torch.testing.assert_close(vec[1], plain[1], atol=TOL, rtol=TOL)
+
+
+def test_vector_kernel_takes_the_default_model_formats():
+    """The formats the benchmarks time, at the default model's shape, go to the vector kernel."""
+    for spec in ("fp16", "int8", "int4", "int4:channel:asym", "int4:g32:asym", "int2:asym"):
+        pool = make_pool(spec, 3, 16, 64, torch.Generator().manual_seed(0))
+        fmt, arrays = pool_arrays(pool, 3, 16, 64)
+        assert takes(fmt, fmt, 3, 64, 16, 64 // arrays[7]) or spec == "int4:g32:asym"
 
 
 def test_two_pools_merge_and_half_queries():
@@ -100,8 +216,24 @@ def test_two_pools_merge_and_half_queries():
                           for kv, t in parts])
     out = merge_partials([paged_attention_cpu(q, q_seq, q_pos, *kv, t, ctx, 0.125)
                           for kv, t in parts])
-    for got, want in zip(out, ref):
-        torch.testing.assert_close(got, want, **TOL)
+    lse_tol, o_tol = rounding_bound(q.float(), q_seq, q_pos, *store, t_store, ctx, 0.125)
+    assert (out[1] - ref[1]).abs()[ref[1].isfinite()].max() <= 2 * TOL + lse_tol.max()
+    assert (out[0] - ref[0]).abs().max() <= 2 * TOL * (1 + ref[0].abs().max()) + o_tol.max()
+
+
+def test_kept_arguments_follow_the_tensors():
+    """A CpuKernels converts a step's metadata once; an edited table (a new version) or another
+    table is converted again, not served stale."""
+    gen = torch.Generator().manual_seed(4)
+    k = make_pool("int8", 2, 16, 64, gen)
+    q, q_seq, q_pos, table, ctx = make_batch(16, 4, 64, gen)
+    kernels = kernels_cpu.CpuKernels()
+    first = kernels.attend(q, q_seq, q_pos, k, k, table, ctx, 0.125)
+    table[3, 0] = -1  # in place: the same tensor, a new version
+    edited = kernels.attend(q, q_seq, q_pos, k, k, table, ctx, 0.125)
+    fresh = paged_attention_cpu(q, q_seq, q_pos, k, k, table, ctx, 0.125)
+    assert not torch.equal(first[0][5], edited[0][5])  # query 5 reads row 3
+    assert torch.equal(edited[0], fresh[0]) and torch.equal(edited[1], fresh[1])
 
 
 def test_attention_empty_and_layout_checks():

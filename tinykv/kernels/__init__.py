@@ -64,8 +64,8 @@ def select_kernels(attention: str, device: torch.device) -> Kernels:
         if device.type != "cpu" or not _cpu_kernels_available():
             raise CacheError("--attention cpu needs numba and the model on the CPU")
         from . import cpu
-        return Kernels("cpu", cpu.paged_attention_cpu, cpu.quantize_store_cpu,
-                       reads_host_memory=True)
+        kernels = cpu.CpuKernels()  # one per cache: it keeps the arguments it converts
+        return Kernels("cpu", kernels.attend, kernels.store, reads_host_memory=True)
     return Kernels("torch", paged_attention_ref, quantize_store_ref,
                    reads_host_memory=device.type == "cpu")
 

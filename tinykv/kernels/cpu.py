@@ -1,252 +1,228 @@
-"""Fused CPU kernels for the paged, quantized KV cache, JIT-compiled with Numba: dequant-attention
-here, quantize-on-store in kernels_cpu_store.py, their shared numerics in kernels_cpu_ops.py; the
-signatures are the torch references' in kernels.py (read them first).
+"""The fused CPU kernels for the paged, quantized KV cache (numba): attention, chosen per pair of
+stored formats (cpu_plain.py), and the store (cpu_store.py). The torch references in reference.py
+have the same signatures: read them first.
 
-Attention reads each K/V block once, in its stored format, dequantizes 16 tokens at a time into an
-L1 tile with the one formula x = (code - zero) * scale (`_dq`), and lets all n_rep query heads of
-the KV head use the tile. Work items (query, KV head, split of its blocks) run in parallel (prange)
-and merge by log-sum-exp, so one long sequence uses every thread. Numba has no float16 on the CPU:
-fp16, bf16 and fp8 travel as integer bits, converted in-kernel. Formats are integers in a `meta`
-array, so every format shares one compiled specialization per kernel: the first run compiles for
-~13 s CPU (attention) and ~2 s (store); Numba caches the machine code beside this file.
-
-Speed (2-vCPU Xeon, default model, 4k context, one layer): ~0.9 ms for fp16, int8 and int4 alike
-(torch reference ~2 ms), so the formats' byte savings stop showing: the kernel is bound by float32
-FMAs (3 query heads x (QK + PV) x 64 channels a key, 256-bit vectors) and per-key overheads (a
-horizontal sum per score, D = 64 loops of 2 vector steps), not by memory.
+This file holds what a call costs beside the kernel itself, and how the work is shared:
+- `CpuKernels` (one per cache) converts each pool into kernel arguments once, on first use, and
+  a step's metadata (query rows, positions, block tables, lengths) once per step, not per layer.
+- Work items are (query, KV head, split of its blocks). One thread takes them all in order with no
+  split; several threads take equal runs of them, and a batch too small to share evenly splits
+  each query's blocks, merged by log-sum-exp. numba's threads follow torch's count (--threads).
+- Rows of more than CHUNK_MAX queries (prefill chunks) go to the reference, which reads a row once
+  for all its queries; the kernel reads it once per query.
 """
 
 from __future__ import annotations
 
-import math
+import weakref
 
 import numpy as np
 import torch
 
-from .cpu_numerics import (
-    _FM,
-    AVAILABLE,
-    BF16,
-    F16,
-    F32,
-    FP8,
-    I8,
-    REASON,
-    U4,
-    U8,
-    _c,
-    _dq,
-    _exp,
-    _fp8,
-    _half,
-    _load,
-    _pool,
-    _prefetch,
-    njit,
-    numba,
-    prange,
-)
-from .cpu_store import quantize_store_cpu  # noqa: F401  (the store, beside attention)
+from ..spec import QuantParams
+from .cpu_args import as_index, pool_arrays, readable
+from .cpu_numerics import AVAILABLE, REASON, kernel, numba
+from .cpu_plain import attention_kernel
+from .cpu_store import quantize_store_cpu, store_args, store_rows  # noqa: F401 (the store)
+from .cpu_vector import takes, vector_kernel
 from .layout import PoolLayer
-from .reference import merge_stacked, paged_attention_ref
+from .reference import Partial, paged_attention_ref
 
-TILE = 16  # tokens dequantized at a time: the K and V tiles stay in L1
-# Rows with more queries (prefill chunks) go to the reference: measured at the default model's
-# shapes, the kernel wins up to 4 queries at 1k context (8 at 4k), the reference's flash path
-# beyond (64 queries at 4k: 87 ms here, 26 ms there), as it reads the row once for all queries.
 CHUNK_MAX = 4
 
 
-@njit(cache=True, fastmath=_FM, inline="always")  # a call would pay refcounts per tile
-def _dequant(pool, blk, h, t0, nt, out, out3, srow, zrow):
-    """Tokens t0 .. t0+nt of block blk, head h -> out (rows, D) float32, read in stored format;
-    out3 is out as (rows, G, D // G); srow, zrow (D,) hold a scale row shared by the tokens.
-    Every index runs from 0 up, so LLVM drops numba's negative-index fix-up and vectorizes."""
-    d8, d16, d32, s16, s32, z16, z32, meta = pool  # data as rows (NB * H * BS, D // per_byte)
-    fmt, kind, dp = meta[0], meta[1], meta[6]
-    for t in range(nt):
-        row = blk * meta[7] + h * meta[8] + t0 + t
-        if fmt == F32:
-            for c in range(dp):
-                out[t, c] = d32[row, c]
-        elif fmt == F16 or fmt == BF16:
-            for c in range(dp):
-                out[t, c] = _half(d16[row, c], fmt)
-        elif fmt == FP8:
-            for c in range(dp):
-                out[t, c] = _fp8(d8[row, c])
-        elif fmt == I8:
-            for c in range(dp):
-                out[t, c] = np.float32(np.int8(d8[row, c]))  # int8 codes arrive as uint8
-        elif fmt == U8:
-            for c in range(dp):
-                out[t, c] = np.float32(d8[row, c])
-        elif fmt == U4:  # element 2i + j of a row sits at bit 4j of byte i
-            for c in range(dp):
-                b = np.uint32(d8[row, c])
-                out[t, 2 * c] = np.float32(b & 15)
-                out[t, 2 * c + 1] = np.float32(b >> 4)
+class _Step:
+    """A step's metadata as the kernel reads it, and which queries it takes."""
+
+    def __init__(self, q_seq: torch.Tensor, q_pos: torch.Tensor, table: torch.Tensor,
+                 ctx_lens: torch.Tensor):
+        self.tensors = (q_seq, q_pos, table, ctx_lens)
+        self.versions = _versions(q_seq, q_pos, table, ctx_lens)  # in-place edits show here
+        self.q_seq = as_index(q_seq, np.int64)
+        self.q_pos = as_index(q_pos, np.int64)
+        self.table = as_index(table, np.int32)
+        self.ctx_lens = as_index(ctx_lens, np.int64)
+        counts = np.bincount(self.q_seq, minlength=len(self.ctx_lens))  # queries per row
+        self.chunked = bool(len(self.q_seq)) and int(counts.max()) > CHUNK_MAX
+
+    def holds(self, q_seq, q_pos, table, ctx_lens) -> bool:
+        mine = self.tensors
+        return (q_seq is mine[0] and q_pos is mine[1] and table is mine[2] and ctx_lens is mine[3]
+                and self.versions is not None
+                and self.versions == _versions(q_seq, q_pos, table, ctx_lens))
+
+
+def _versions(*tensors: torch.Tensor) -> tuple | None:
+    """In-place edit counts, which tell that a kept conversion went stale; None where one is an
+    inference tensor (it keeps no count, so its conversion is never kept)."""
+    if any(t.is_inference() for t in tensors):
+        return None
+    return tuple(t._version for t in tensors)
+
+
+class CpuKernels:
+    """The fused CPU kernels of one cache, remembering what they convert: each pool's arguments
+    (by the pool's identity, while it lives) and the last few steps' metadata."""
+
+    STEPS = 4  # a step attends a store pool, a hot pool and staged chunks: tables per step
+
+    def __init__(self, vector: bool = True):
+        assert AVAILABLE, REASON
+        self.vector = vector  # the vector kernel where it takes the formats (else cpu_plain's)
+        self._pools: dict[int, tuple] = {}  # id(pool) -> (weakref to pool, format, arrays)
+        self._steps: list[_Step] = []
+        self._calls: dict[tuple, tuple] = {}  # (id(k), id(v), Hq, D) -> refs and kernel call
+        self._threads_set = 0  # torch's thread count numba was last set to follow
+        self._slots: tuple = (None, None, None)  # the last store's (blk, off, versions, arrays)
+
+    def attend(self, q: torch.Tensor, q_seq: torch.Tensor, q_pos: torch.Tensor, k: PoolLayer,
+               v: PoolLayer, block_table: torch.Tensor, ctx_lens: torch.Tensor, sm_scale: float,
+               num_splits: int | None = None) -> Partial:
+        """paged_attention_ref, fused. num_splits: shares of each query's blocks (default: one
+        for a single thread, else enough items to keep every thread busy)."""
+        N, Hq, D = q.shape
+        step = self._step(q_seq, q_pos, block_table, ctx_lens)
+        if step.chunked or q_seq.shape != (N,):
+            return self._with_chunks(q, q_seq, q_pos, k, v, block_table, ctx_lens, sm_scale,
+                                     num_splits)
+        call = self._call(k, v, Hq, D)
+        if call is None:  # a format the kernels do not read in place
+            return paged_attention_ref(q, q_seq, q_pos, k, v, block_table, ctx_lens, sm_scale)
+        serial, parallel, k_arrays, v_arrays, H, BS = call
+        threads = self._threads()
+        if num_splits is None:
+            num_splits = 1 if threads == 1 or (N * H) % threads == 0 or N * H >= 8 * threads \
+                else threads
+        o = np.empty((num_splits, N, Hq, D), np.float32)
+        lse = np.empty((num_splits, N, Hq), np.float32)
+        args = (q.float().contiguous().numpy(), step.q_seq, step.q_pos, step.table,
+                step.ctx_lens, k_arrays, v_arrays, H, BS, np.float32(sm_scale), o, lse)
+        if threads == 1:
+            serial(0, num_splits * N * H, *args)
         else:
-            for c in range(dp):
-                b = np.uint32(d8[row, c])
-                out[t, 4 * c] = np.float32(b & 3)
-                out[t, 4 * c + 1] = np.float32((b >> 2) & 3)
-                out[t, 4 * c + 2] = np.float32((b >> 4) & 3)
-                out[t, 4 * c + 3] = np.float32(b >> 6)
-    if fmt <= BF16:
-        return
-    G, gs, has_zero, offset = meta[4], meta[5], meta[2], np.float32(meta[3]) / np.float32(2)
-    sb, sst, ssg = blk * meta[9] + h * meta[10] + t0 * meta[11], meta[11], meta[12]
-    if sst == 0:  # one scale row for all tokens (block-wise, static): expand it per channel
-        for g in range(G):
-            s = _load(s16, s32, kind, sb + g * ssg)
-            z = _load(z16, z32, kind, sb + g * ssg) if has_zero else offset
-            for c in range(g * gs, g * gs + gs):
-                srow[c] = s
-                zrow[c] = z
-        for t in range(nt):
-            for c in range(out.shape[1]):
-                out[t, c] = _dq(out[t, c], zrow[c], srow[c])
-    else:  # per-token (and per-group) scales
-        for t in range(nt):
-            for g in range(G):
-                s = _load(s16, s32, kind, sb + t * sst + g * ssg)
-                z = _load(z16, z32, kind, sb + t * sst + g * ssg) if has_zero else offset
-                for c in range(gs):
-                    out3[t, g, c] = _dq(out3[t, g, c], z, s)
+            parallel(threads, *args)
+        if num_splits > 1:
+            _merge_splits(o, lse)
+        return torch.from_numpy(o[0]), torch.from_numpy(lse[0])
+
+    def _call(self, k: PoolLayer, v: PoolLayer, Hq: int, D: int) -> tuple | None:
+        """(serial, parallel, K arrays, V arrays, H, BS) for a pair of pools (kept while they
+        live), or None where a format is not read in place."""
+        key = (id(k), id(v), Hq, D)
+        known = self._calls.get(key)
+        if known is not None and known[0]() is k and known[1]() is v:
+            return known[2]
+        H, BS = k.data.shape[1:3]
+        assert Hq % H == 0, f"{Hq} query heads do not group over {H} KV heads"
+        kf, k_arrays = self._pool(k, H, BS, D)
+        vf, v_arrays = self._pool(v, H, BS, D)
+        call = None
+        if readable(kf, k_arrays[7]) and readable(vf, v_arrays[7]):
+            R, v_groups = Hq // H, D // v_arrays[7]
+            if self.vector and takes(kf, vf, R, D, BS, D // k_arrays[7]):
+                kernels = vector_kernel(kf, vf, R, D, D // k_arrays[7], v_groups)
+            else:
+                kernels = attention_kernel(kf, vf)
+            call = (*kernels, k_arrays, v_arrays, H, BS)
+        if len(self._calls) > 1024:  # staged copies come and go: forget the dead
+            self._calls = {i: e for i, e in self._calls.items() if e[0]() is not None}
+        self._calls[key] = (weakref.ref(k), weakref.ref(v), call)
+        return call
+
+    def _threads(self) -> int:
+        """torch's thread count (--threads), which numba's pool follows (never past its size)."""
+        wanted = torch.get_num_threads()
+        if wanted != self._threads_set:
+            self._threads_set = _follow_torch_threads(wanted)
+        return min(wanted, numba.config.NUMBA_NUM_THREADS)
+
+    def store(self, x: torch.Tensor, p: QuantParams, data: torch.Tensor,
+              scale: torch.Tensor | None, zero: torch.Tensor | None, blk: torch.Tensor,
+              off: torch.Tensor) -> int:
+        """quantize_store_ref, fused (cpu_store.py)."""
+        known = self._pools.get(id(data))
+        if not (known is not None and known[0]() is data and known[1] == (p, scale, zero)):
+            args = store_args(p, data, scale, zero)
+            known = (weakref.ref(data), (p, scale, zero), args)
+            self._pools[id(data)] = known
+        last = self._slots
+        versions = _versions(blk, off)
+        if not (last[0] is blk and last[1] is off and versions is not None
+                and last[2] == versions):
+            last = (blk, off, versions, as_index(blk, np.int64), as_index(off, np.int64))
+            self._slots = last
+        assert last[3].shape == last[4].shape == (x.shape[0],), "x, blk, off disagree"
+        return store_rows(x, last[3], last[4], known[2])
+
+    def _step(self, q_seq, q_pos, table, ctx_lens) -> _Step:
+        for step in self._steps:
+            if step.holds(q_seq, q_pos, table, ctx_lens):
+                return step
+        step = _Step(q_seq, q_pos, table, ctx_lens)
+        self._steps = [step] + self._steps[:self.STEPS - 1]
+        return step
+
+    def _pool(self, pool: PoolLayer, H: int, BS: int, D: int) -> tuple:
+        known = self._pools.get(id(pool))
+        if known is not None and known[0]() is pool:
+            return known[1], known[2]
+        if len(self._pools) > 1024:  # staged copies come and go: forget the dead
+            self._pools = {i: e for i, e in self._pools.items() if e[0]() is not None}
+        fmt, arrays = pool_arrays(pool, H, BS, D)
+        self._pools[id(pool)] = (weakref.ref(pool), fmt, arrays)
+        return fmt, arrays
+
+    def _with_chunks(self, q, q_seq, q_pos, k, v, table, ctx_lens, sm_scale, num_splits):
+        """Prefill chunks through the reference, the other queries through the kernel."""
+        seq = q_seq.long()
+        counts = torch.bincount(seq, minlength=len(ctx_lens))  # queries per row
+        chunk = counts[seq] > CHUNK_MAX  # (N,) queries of prefill chunks
+        rows = counts > CHUNK_MAX
+        remap = torch.cumsum(rows, 0) - 1  # row of table[rows] for each chunk row
+        o = torch.zeros(q.shape)
+        lse = torch.full(q.shape[:2], float("-inf"))
+        o[chunk], lse[chunk] = paged_attention_ref(q[chunk], remap[seq[chunk]], q_pos[chunk], k,
+                                                   v, table[rows], ctx_lens[rows], sm_scale)
+        if not bool(chunk.all()):
+            o[~chunk], lse[~chunk] = self.attend(q[~chunk], q_seq[~chunk], q_pos[~chunk], k, v,
+                                                 table, ctx_lens, sm_scale, num_splits)
+        return o, lse
 
 
-@njit(cache=True, fastmath=_FM)
-def _attend(qh, row, n_keys, lo, hi, h, kp, vp, BS, sm_scale, acc, m, l):
-    """The n_rep query heads qh (R, D) of KV head h over blocks lo..hi of table row `row`: online
-    softmax into acc (R, D) (unnormalized), m (R,) running max and l (R,) sum of exp(score - m)."""
-    R, D = qh.shape
-    tile = min(BS, TILE)
-    rows = (tile + 3) // 4 * 4  # keys go 4 at a time; rows past a tile's end hold zeros
-    qs = np.empty((R, D), np.float32)  # queries times sm_scale
-    for r in range(R):
-        for d in range(D):
-            qs[r, d] = qh[r, d] * sm_scale
-    kb = np.zeros((rows, D), np.float32)  # keys of the tile
-    vb = np.zeros((rows, D), np.float32)  # values of the tile
-    kb3 = kb.reshape(rows, kp[7][4], D // kp[7][4])  # (rows, G, D // G) for group scales
-    vb3 = vb.reshape(rows, vp[7][4], D // vp[7][4])
-    sc = np.zeros((R, rows), np.float32)  # scores, then probabilities
-    srow = np.empty(D, np.float32)
-    zrow = np.empty(D, np.float32)
-    for j in range(lo, hi):
-        blk = row[j]
-        if blk < 0:  # not in this pool
-            continue
-        nxt = row[j + 1] if j + 1 < hi else -1
-        for w in range(2 if nxt >= 0 else 0):  # start reading the next block's K and V now
-            d8, meta = (kp, vp)[w][0], (kp, vp)[w][7]  # d8: every pool's data as bytes
-            first = (nxt * meta[7] + h * meta[8]) * d8.shape[1]
-            for e in range(first, first + BS * d8.shape[1], 64):
-                _prefetch(d8, e)
-        for t0 in range(0, min(BS, n_keys - j * BS), tile):
-            nt = min(tile, n_keys - j * BS - t0)
-            n4 = (nt + 3) // 4 * 4
-            for w in range(2):  # K, then V: one inlined copy of _dequant serves both
-                _dequant((kp, vp)[w], blk, h, t0, nt, (kb, vb)[w], (kb3, vb3)[w], srow, zrow)
-            for t in range(nt, n4):  # a partial tile: zero keys, values and (below) probabilities
-                kb[t] = 0.0
-                vb[t] = 0.0
-            for r in range(R):
-                for t in range(0, n4, 4):  # 4 keys per pass over q: independent sums, fewer loads
-                    s0 = s1 = s2 = s3 = np.float32(0.0)
-                    for d in range(D):
-                        s0 += qs[r, d] * kb[t, d]
-                        s1 += qs[r, d] * kb[t + 1, d]
-                        s2 += qs[r, d] * kb[t + 2, d]
-                        s3 += qs[r, d] * kb[t + 3, d]
-                    sc[r, t], sc[r, t + 1], sc[r, t + 2], sc[r, t + 3] = s0, s1, s2, s3
-                mx = m[r]
-                for t in range(nt):
-                    mx = max(mx, sc[r, t])
-                alpha = _exp(m[r] - mx)
-                psum = np.float32(0.0)
-                for t in range(nt):
-                    p = _exp(sc[r, t] - mx)
-                    sc[r, t] = p
-                    psum += p
-                for t in range(nt, n4):
-                    sc[r, t] = 0.0
-                l[r] = l[r] * alpha + psum
-                m[r] = mx
-                if alpha != 1.0:
-                    for d in range(D):
-                        acc[r, d] *= alpha
-                for t in range(0, n4, 4):  # the acc row is loaded and stored once per 4 values
-                    p0, p1, p2, p3 = sc[r, t], sc[r, t + 1], sc[r, t + 2], sc[r, t + 3]
-                    for d in range(D):
-                        acc[r, d] += (p0 * vb[t, d] + p1 * vb[t + 1, d]
-                                      + p2 * vb[t + 2, d] + p3 * vb[t + 3, d])
+def _follow_torch_threads(wanted: int) -> int:
+    """Set numba's thread count to torch's (never past numba's pool); returns `wanted`."""
+    numba.get_num_threads()  # the first call starts numba's pool, and with the OpenMP layer
+    if torch.get_num_threads() != wanted:  # that resets the count torch shares: restore it
+        torch.set_num_threads(wanted)
+    numba.set_num_threads(min(wanted, numba.config.NUMBA_NUM_THREADS))
+    return wanted
 
-@njit(parallel=True, cache=True)
-def _attn_kernel(q, q_seq, q_pos, table, ctx_lens, kp, vp, n_rep, BS, sm_scale, o, lse):
-    """Work items (query n, KV head h, split sp) in parallel, each over the sp-th share of the
-    query's visible blocks into o[sp, n] (S, N, Hq, D) and lse[sp, n] (S, N, Hq), as partials."""
-    n_split, N, Hq, D = o.shape
-    H = Hq // n_rep
-    for item in prange(n_split * N * H):
-        i = np.int64(item)  # parfors may hand out an unsigned index: keep the arithmetic signed
-        n, h, sp = i // (H * n_split), i // n_split % H, i % n_split
-        b = q_seq[n]
-        n_keys = min(q_pos[n] + 1, ctx_lens[b])  # causal: keys 0 .. n_keys-1 are visible
-        n_blk = min((n_keys + BS - 1) // BS, table.shape[1])
-        per = (n_blk + n_split - 1) // n_split
-        lo, hi = sp * per, min(sp * per + per, n_blk)
-        acc = np.zeros((n_rep, D), np.float32)  # unnormalized sum of p * v
-        m = np.full(n_rep, -np.inf, np.float32)  # max score
-        l = np.zeros(n_rep, np.float32)  # sum of exp(score - m)
-        if lo < hi:
-            qh = q[n, h * n_rep:h * n_rep + n_rep]
-            _attend(qh, table[b], n_keys, lo, hi, h, kp, vp, BS, sm_scale, acc, m, l)
-        for r in range(n_rep):  # loops, not slice assignment: no broadcasting code to compile
-            seen = l[r] > 0  # else no key: o 0, lse -inf
-            lse[sp, n, h * n_rep + r] = m[r] + math.log(l[r]) if seen else -np.inf
+
+@kernel(error_model="numpy")
+def _merge_splits(o, lse):
+    """Merge partials over disjoint key sets into o[0], lse[0]: o (S, N, Hq, D), lse (S, N, Hq)."""
+    S, N, Hq, D = o.shape
+    for n in range(N):
+        for hq in range(Hq):
+            top = -np.inf
+            for s in range(S):
+                top = max(top, lse[s, n, hq])
+            if top == -np.inf:  # no key in any part
+                continue
+            total = 0.0
+            for s in range(S):
+                total += np.exp(lse[s, n, hq] - top)
             for d in range(D):
-                o[sp, n, h * n_rep + r, d] = acc[r, d] / l[r] if seen else 0.0
+                x = 0.0
+                for s in range(S):
+                    x += np.exp(lse[s, n, hq] - top) / total * o[s, n, hq, d]
+                o[0, n, hq, d] = x
+            lse[0, n, hq] = top + np.log(total)
 
 
 def paged_attention_cpu(q: torch.Tensor, q_seq: torch.Tensor, q_pos: torch.Tensor, k: PoolLayer,
                         v: PoolLayer, block_table: torch.Tensor, ctx_lens: torch.Tensor,
-                        sm_scale: float, num_splits: int | None = None
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """paged_attention_ref, fused on the CPU: K/V are read once per query group, dequantized in
-    L1 tiles. A row with more than CHUNK_MAX queries (a prefill chunk) goes to the reference.
-    num_splits: shares of a query's blocks taken by separate items (default: 4 items a thread)."""
-    assert AVAILABLE, REASON
-    (N, Hq, D), (B, MB), (H, BS) = q.shape, block_table.shape, k.data.shape[1:3]
-    assert Hq % H == 0 and q_seq.shape == q_pos.shape == (N,) and ctx_lens.shape == (B,)
-    seq = _c(q_seq, np.int64)
-    counts = np.bincount(seq, minlength=B)  # queries per row
-    if N and counts.max() > CHUNK_MAX:
-        chunk = torch.from_numpy(counts[seq] > CHUNK_MAX)  # (N,) queries of prefill chunks
-        rows = torch.from_numpy(counts > CHUNK_MAX)
-        remap = torch.cumsum(rows, 0) - 1  # row of block_table[rows] for each chunk row
-        o = torch.zeros(N, Hq, D)
-        lse = torch.full((N, Hq), float("-inf"))
-        o[chunk], lse[chunk] = paged_attention_ref(
-            q[chunk], remap[q_seq[chunk].long()], q_pos[chunk], k, v, block_table[rows],
-            ctx_lens[rows], sm_scale)
-        if not bool(chunk.all()):
-            o[~chunk], lse[~chunk] = paged_attention_cpu(
-                q[~chunk], q_seq[~chunk], q_pos[~chunk], k, v, block_table, ctx_lens, sm_scale,
-                num_splits)
-        return o, lse
-    # numba's pool follows torch's thread count (--threads), never every core
-    numba.set_num_threads(min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
-    if num_splits is None:  # items for every thread (a split costs a merge: none for 1 thread)
-        threads = numba.get_num_threads()
-        num_splits = 1 if threads == 1 else max(1, min(-(-4 * threads // max(N * H, 1)), MB))
-    o = np.empty((num_splits, N, Hq, D), np.float32)
-    lse = np.empty((num_splits, N, Hq), np.float32)
-    _attn_kernel(q.float().contiguous().numpy(), seq, _c(q_pos, np.int64),
-                 _c(block_table, np.int32), _c(ctx_lens, np.int64), _pool(k, H, BS, D),
-                 _pool(v, H, BS, D), Hq // H, BS, np.float32(sm_scale), o, lse)
-    o, lse = torch.from_numpy(o), torch.from_numpy(lse)
-    if num_splits > 1:
-        return merge_stacked(o, lse)
-    return o[0], lse[0]
+                        sm_scale: float, num_splits: int | None = None) -> Partial:
+    """paged_attention_ref, fused on the CPU (a cache keeps one CpuKernels: this converts its
+    arguments afresh on every call)."""
+    return CpuKernels().attend(q, q_seq, q_pos, k, v, block_table, ctx_lens, sm_scale, num_splits)

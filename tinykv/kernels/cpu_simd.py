@@ -1,0 +1,311 @@
+"""LLVM vector values inside numba: the vocabulary the vector attention kernel (cpu_vector.py) is
+written in. numba has no vector type, so `Vec(dtype, lanes)` is one. A Vec of a multiple of 16
+lanes is held as 16-lane pieces (an LLVM array of <16 x dtype>): one 512-bit register for float32
+on AVX-512, two 256-bit ones on AVX2; LLVM lowers long or odd-sized vectors (R = 3 heads of 64
+lanes: 192) lane by lane, pieces it keeps in registers. Smaller Vecs (one lane per head) are one
+LLVM vector.
+
+Lane counts are compile-time constants (literal ints in the kernel), so each operation is a few
+LLVM instructions with constant shuffle masks. Nothing here names a CPU instruction: LLVM picks
+them for the CPU numba compiles for (`head_dots` on int16 becomes vpdpwssd with AVX-512 VNNI, on
+Intel and AMD alike; vpmaddwd + vpaddd on AVX2).
+
+The kernel keeps "wide" vectors: R query heads side by side, each a segment of D (or 16) lanes.
+`repeat` copies a key's D lanes once per head; `spread` widens one value per head to its segment.
+"""
+
+from __future__ import annotations
+
+import operator
+
+from .cpu_numerics import cgutils, intrinsic, ir, types
+
+PIECE = 16  # lanes per piece
+
+if types is not None:  # numba is installed
+    from numba.core import config
+    from numba.extending import models, overload, register_model
+
+    class Vec(types.Type):
+        """`lanes` values of numba type `dtype`, in registers."""
+
+        def __init__(self, dtype, lanes: int):
+            self.dtype, self.lanes = dtype, lanes
+            super().__init__(name=f"Vec({dtype} x {lanes})")
+
+    @register_model(Vec)
+    class _VecModel(models.PrimitiveModel):
+        def __init__(self, dmm, fe_type):
+            element = dmm.lookup(fe_type.dtype).get_value_type()
+            super().__init__(dmm, fe_type, _llvm_type(element, fe_type.lanes))
+
+    # F16C converts 8 halves an instruction; without it LLVM would call a helper numba cannot
+    # link, so the bits are converted by integer arithmetic. Asked of the target numba builds for.
+    _features = config.CPU_FEATURES
+    if _features is None:
+        from llvmlite import binding as _llvm
+        _features = _llvm.get_host_cpu_features().flatten()
+    HAS_F16C = "+f16c" in _features
+else:  # nothing is compiled; the names stay importable (cpu.AVAILABLE says why)
+    Vec, HAS_F16C = None, False
+FLAGS = ("reassoc", "contract", "nsz")  # float sums may be reordered and fused
+
+
+def _llvm_type(element, lanes: int):
+    if lanes % PIECE == 0:
+        return ir.ArrayType(ir.VectorType(element, PIECE), lanes // PIECE)
+    return ir.VectorType(element, lanes)
+
+
+def _literal(t) -> int:
+    assert isinstance(t, types.IntegerLiteral), f"a lane count must be a constant, got {t}"
+    return t.literal_value
+
+
+# ---- pieces: what every operation below is built from ------------------------------------------
+
+def _pieces(builder, v) -> list:
+    if isinstance(v.type, ir.ArrayType):
+        return [builder.extract_value(v, i) for i in range(v.type.count)]
+    return [v]
+
+
+def _whole(builder, pieces: list):
+    """The Vec value of these pieces (16-lane pieces: an array of them; else the one vector)."""
+    if pieces[0].type.count != PIECE:
+        assert len(pieces) == 1
+        return pieces[0]
+    out = ir.Constant(ir.ArrayType(pieces[0].type, len(pieces)), ir.Undefined)
+    for i, p in enumerate(pieces):
+        out = builder.insert_value(out, p, i)
+    return out
+
+
+def _map(builder, fn, *values):
+    """fn piece by piece over values of the same lane count."""
+    return _whole(builder, [fn(*ps) for ps in zip(*[_pieces(builder, v) for v in values])])
+
+
+def _mask(lanes: list[int]):
+    return ir.Constant(ir.VectorType(ir.IntType(32), len(lanes)), lanes)
+
+
+def _pick(builder, sources: list, picks: list[tuple[int, int]], lanes: int):
+    """A vector of `lanes` lanes whose lane i is lane picks[i][1] of source picks[i][0] (sources:
+    values of Vec types). Each output piece is built from the source pieces it needs, two at a
+    time, so no shuffle is wider than a piece."""
+    pieces, lookup = [], {}  # lookup: (source, lane) -> (piece, lane within it)
+    for number, source in enumerate(sources):
+        first = 0
+        for p in _pieces(builder, source):
+            for i in range(p.type.count):
+                lookup[(number, first + i)] = (len(pieces), i)
+            pieces.append(p)
+            first += p.type.count
+    width = PIECE if lanes % PIECE == 0 else lanes
+    out = []
+    for first in range(0, lanes, width):
+        want = [lookup[p] for p in picks[first:first + width]]
+        used = list(dict.fromkeys(k for k, _ in want))
+        common = max([width] + [pieces[k].type.count for k in used])
+        acc = None
+        for k in used:
+            piece = _widen(builder, pieces[k], common)
+            if acc is None:
+                acc = builder.shuffle_vector(piece, piece, _mask(
+                    [i if kk == k else 0 for kk, i in want]))
+            else:
+                acc = builder.shuffle_vector(_widen(builder, acc, common), piece, _mask(
+                    [common + i if kk == k else j for j, (kk, i) in enumerate(want)]))
+        out.append(acc)
+    return _whole(builder, out)
+
+
+def _widen(builder, piece, width: int):
+    """A vector with undefined lanes appended up to `width` (shuffles need equal widths)."""
+    n = piece.type.count
+    if n == width:
+        return piece
+    undef = ir.Constant(piece.type, ir.Undefined)
+    return builder.shuffle_vector(piece, undef, _mask([min(i, n) for i in range(width)]))
+
+
+def _splat_piece(builder, x, n: int):
+    undef = ir.Constant(ir.VectorType(x.type, n), ir.Undefined)
+    one = builder.insert_element(undef, x, ir.IntType(32)(0))
+    return builder.shuffle_vector(one, undef, _mask([0] * n))
+
+
+def _splat(builder, x, lanes: int):
+    width = PIECE if lanes % PIECE == 0 else lanes
+    return _whole(builder, [_splat_piece(builder, x, width)] * (lanes // width))
+
+
+def _is_float(t) -> bool:
+    return isinstance(t.dtype, types.Float)
+
+
+def _data(context, builder, arrty, arr):
+    return context.make_array(arrty)(context, builder, arr).data
+
+
+# ---- memory -----------------------------------------------------------------------------------
+
+@intrinsic(prefer_literal=True)
+def load(typingctx, arr, start, lanes):
+    """Elements start .. start+lanes-1 of a C-contiguous array (flat index), as a Vec."""
+    n = _literal(lanes)
+
+    def codegen(context, builder, sig, args):
+        data = _data(context, builder, sig.args[0], args[0])
+        width = PIECE if n % PIECE == 0 else n
+        pieces = []
+        for first in range(0, n, width):
+            at = builder.gep(data, [builder.add(args[1], ir.IntType(64)(first))])
+            ptr = builder.bitcast(at, ir.VectorType(data.type.pointee, width).as_pointer())
+            pieces.append(builder.load(ptr, align=1))
+        return _whole(builder, pieces)
+    return Vec(arr.dtype, n)(arr, start, lanes), codegen
+
+
+@intrinsic
+def store(typingctx, arr, start, v):
+    """arr.flat[start:start+lanes] = v."""
+    def codegen(context, builder, sig, args):
+        data = _data(context, builder, sig.args[0], args[0])
+        first = 0
+        for p in _pieces(builder, args[2]):
+            at = builder.gep(data, [builder.add(args[1], ir.IntType(64)(first))])
+            builder.store(p, builder.bitcast(at, p.type.as_pointer()), align=1)
+            first += p.type.count
+        return context.get_dummy_value()
+    return types.none(arr, start, v), codegen
+
+
+@intrinsic(prefer_literal=True)
+def splat(typingctx, x, lanes):
+    """x (as float32) in every lane."""
+    n = _literal(lanes)
+
+    def codegen(context, builder, sig, args):
+        return _splat(builder, context.cast(builder, args[0], sig.args[0], types.float32), n)
+    return Vec(types.float32, n)(x, lanes), codegen
+
+
+# ---- conversions ------------------------------------------------------------------------------
+
+@intrinsic
+def to_int16(typingctx, v):
+    """Integer lanes -> int16: int8 sign-extended, uint8 zero-extended."""
+    def codegen(context, builder, sig, args):
+        def widen(p):
+            t = ir.VectorType(ir.IntType(16), p.type.count)
+            return builder.sext(p, t) if sig.args[0].dtype.signed else builder.zext(p, t)
+        return _map(builder, widen, args[0])
+    return Vec(types.int16, v.lanes)(v), codegen
+
+
+@intrinsic
+def to_float(typingctx, v):
+    """Integer lanes -> float32 (exact below 2^24)."""
+    def codegen(context, builder, sig, args):
+        def convert(p):
+            t = ir.VectorType(ir.FloatType(), p.type.count)
+            return builder.sitofp(p, t) if sig.args[0].dtype.signed else builder.uitofp(p, t)
+        return _map(builder, convert, args[0])
+    return Vec(types.float32, v.lanes)(v), codegen
+
+
+@intrinsic
+def half_to_float(typingctx, v):
+    """fp16 bits (uint16 lanes) -> float32, exactly (as cpu_numerics.from_half)."""
+    def codegen(context, builder, sig, args):
+        def convert(p):
+            n = p.type.count
+            f32, i32 = ir.VectorType(ir.FloatType(), n), ir.VectorType(ir.IntType(32), n)
+            if HAS_F16C:
+                return builder.fpext(builder.bitcast(p, ir.VectorType(ir.HalfType(), n)), f32)
+            u = builder.zext(p, i32)
+
+            def const(c):
+                return _splat_piece(builder, ir.IntType(32)(c), n)
+            sign = builder.shl(builder.and_(u, const(0x8000)), const(16))
+            em = builder.shl(builder.and_(u, const(0x7FFF)), const(13))
+            bits = builder.or_(sign, em)
+            finite = builder.fmul(builder.bitcast(bits, f32),
+                                  _splat_piece(builder, ir.FloatType()(2.0**112), n))
+            special = builder.bitcast(builder.or_(bits, const(0x7F800000)), f32)  # inf, nan
+            return builder.select(builder.icmp_unsigned(">=", em, const(0x7C00 << 13)), special,
+                                  finite)
+        return _map(builder, convert, args[0])
+    return Vec(types.float32, v.lanes)(v), codegen
+
+
+@intrinsic(prefer_literal=True)
+def code_planes(typingctx, v, bits):
+    """Packed codes (uint8 lanes) -> int16 lanes, plane by plane: the low `bits` of every byte,
+    then the next, so the lanes follow the query's stored order (cpu_plain)."""
+    b = _literal(bits)
+
+    def codegen(context, builder, sig, args):
+        out = []
+        for j in range(8 // b):
+            for p in _pieces(builder, args[0]):
+                n = p.type.count
+                x = builder.lshr(p, _splat_piece(builder, ir.IntType(8)(j * b), n))
+                x = builder.and_(x, _splat_piece(builder, ir.IntType(8)((1 << b) - 1), n))
+                out.append(builder.zext(x, ir.VectorType(ir.IntType(16), n)))
+        return _whole(builder, out)
+    return Vec(types.int16, v.lanes * 8 // b)(v, bits), codegen
+
+
+# ---- arithmetic: the operators, lane by lane, a scalar standing for every lane -----------------
+
+def _arith(name: str, float_op: str, int_op: str):
+    @intrinsic
+    def op(typingctx, a, b):
+        vt = a if isinstance(a, Vec) else b
+
+        def codegen(context, builder, sig, args):
+            x, y = args[0], args[1]
+            if not isinstance(sig.args[0], Vec):
+                x = _splat(builder, context.cast(builder, x, sig.args[0], vt.dtype), vt.lanes)
+            if not isinstance(sig.args[1], Vec):
+                y = _splat(builder, context.cast(builder, y, sig.args[1], vt.dtype), vt.lanes)
+            if _is_float(vt):
+                return _map(builder, lambda p, q: getattr(builder, float_op)(p, q, flags=FLAGS),
+                            x, y)
+            return _map(builder, getattr(builder, int_op), x, y)
+        return vt(a, b), codegen
+
+    @overload(getattr(operator, name))
+    def _impl(a, b):
+        if isinstance(a, Vec) or isinstance(b, Vec):
+            return lambda a, b: op(a, b)
+    return op
+
+
+if types is not None:
+    vadd = _arith("add", "fadd", "add")
+    vsub = _arith("sub", "fsub", "sub")
+    vmul = _arith("mul", "fmul", "mul")
+    vdiv = _arith("truediv", "fdiv", "sdiv")
+
+
+
+@intrinsic
+def prefetch_lines(typingctx, arr, start, lines):
+    """Hint `lines` 64-byte lines from flat element `start` of a C-contiguous array into every
+    cache level (llvm.prefetch: never faults)."""
+    def codegen(context, builder, sig, args):
+        data = _data(context, builder, sig.args[0], args[0])
+        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+        fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
+        base = builder.bitcast(builder.gep(data, [args[1]]), i8p)
+        count = context.cast(builder, args[2], sig.args[2], types.intp)
+        with cgutils.for_range(builder, count) as loop:
+            at = builder.gep(base, [builder.mul(loop.index, ir.IntType(64)(64))])
+            builder.call(fn, [at, i32(0), i32(3), i32(1)])
+        return context.get_dummy_value()
+    return types.none(arr, start, lines), codegen

@@ -1,0 +1,305 @@
+"""What the vector kernel does with Vec values (cpu_simd.py): copies per head, the transpose-
+and-add tree, per-head reductions, the orders of packed codes, and lane-by-lane math (2^x, log2,
+rounding). Every mask is a compile-time constant and no shuffle is wider than two 16-lane pieces
+(cpu_simd._pick), so LLVM lowers each to one or two permute instructions.
+"""
+
+from __future__ import annotations
+
+from .cpu_numerics import cgutils, intrinsic, ir, types
+from .cpu_simd import (
+    FLAGS,
+    PIECE,
+    Vec,
+    _is_float,
+    _literal,
+    _map,
+    _mask,
+    _pick,
+    _pieces,
+    _splat_piece,
+    _whole,
+)
+
+
+@intrinsic(prefer_literal=True)
+def spread(typingctx, v, each):
+    """Every lane of v repeated `each` times (one value per head over the head's segment)."""
+    k = _literal(each)
+
+    def codegen(context, builder, sig, args):
+        n = sig.args[0].lanes
+        return _pick(builder, [args[0]], [(0, i // k) for i in range(n * k)], n * k)
+    return Vec(v.dtype, v.lanes * k)(v, each), codegen
+
+
+@intrinsic(prefer_literal=True)
+def pair(typingctx, x, y, width):
+    """One step of the transpose-and-add tree over 16-lane segments (one per head): x and y hold,
+    per segment, keys of `width` lanes of partial sums; the result holds x's keys then y's, each
+    summed to width / 2 lanes. Four steps from 16 keys of 16 lanes leave one lane per key, in
+    key order."""
+    w = _literal(width)
+
+    def codegen(context, builder, sig, args):
+        lo, hi = [], []
+        for g in range(sig.args[0].lanes // PIECE):
+            for src in (0, 1):
+                for key in range(PIECE // w):
+                    first = g * PIECE + key * w
+                    lo += [(src, first + i) for i in range(w // 2)]
+                    hi += [(src, first + w // 2 + i) for i in range(w // 2)]
+        n = len(lo)
+        a = _pick(builder, list(args[:2]), lo, n)
+        b = _pick(builder, list(args[:2]), hi, n)
+        if _is_float(sig.args[0]):
+            return _map(builder, lambda p, q: builder.fadd(p, q, flags=FLAGS), a, b)
+        return _map(builder, builder.add, a, b)
+    return x(x, y, width), codegen
+
+
+def _segment(v, seg, op: str):
+    """One lane per segment of `seg` lanes (a multiple of 16): its max, max |x| or sum."""
+    n = _literal(seg)
+
+    def codegen(context, builder, sig, args):
+        def combine(a, b):
+            if op == "sum":
+                return builder.fadd(a, b, flags=FLAGS)
+            return builder.select(builder.fcmp_ordered(">=", a, b), a, b)
+        pieces = _pieces(builder, args[0])
+        if op == "absmax":
+            fabs = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(pieces[0].type, [pieces[0].type]),
+                f"llvm.fabs.v{PIECE}f32")
+            pieces = [builder.call(fabs, [p]) for p in pieces]
+        tops = []
+        per = n // PIECE
+        for first in range(0, len(pieces), per):
+            p = pieces[first]
+            for q in pieces[first + 1:first + per]:
+                p = combine(p, q)
+            width = PIECE
+            while width > 1:  # the lo half against the hi half
+                half = width // 2
+                p = combine(builder.shuffle_vector(p, p, _mask(list(range(half)))),
+                            builder.shuffle_vector(p, p, _mask(list(range(half, width)))))
+                width = half
+            tops.append(builder.extract_element(p, ir.IntType(32)(0)))
+        out = ir.Constant(ir.VectorType(ir.FloatType(), len(tops)), ir.Undefined)
+        for i, x in enumerate(tops):
+            out = builder.insert_element(out, x, ir.IntType(32)(i))
+        return out
+    return Vec(v.dtype, v.lanes // n)(v, seg), codegen
+
+
+@intrinsic(prefer_literal=True)
+def segment_max(typingctx, v, seg):
+    """The max of each seg-lane segment: one lane per segment."""
+    return _segment(v, seg, "max")
+
+
+@intrinsic(prefer_literal=True)
+def segment_absmax(typingctx, v, seg):
+    """The largest |x| of each seg-lane segment: one lane per segment."""
+    return _segment(v, seg, "absmax")
+
+
+@intrinsic(prefer_literal=True)
+def segment_sum(typingctx, v, seg):
+    """The sum of each seg-lane segment: one lane per segment."""
+    return _segment(v, seg, "sum")
+
+
+@intrinsic(prefer_literal=True)
+def stored_order(typingctx, v, planes, group_size, channels):
+    """Group values (scales of G groups of channels) -> one per channel, in the stored order of
+    packed codes: lane j * (channels / planes) + i holds the group of channel planes * i + j."""
+    pb, gs, D = _literal(planes), _literal(group_size), _literal(channels)
+    n = D // pb
+
+    def codegen(context, builder, sig, args):
+        return _pick(builder, [args[0]], [(0, (pb * i + j) // gs) for j in range(pb)
+                                          for i in range(n)], D)
+    return Vec(v.dtype, D)(v, planes, group_size, channels), codegen
+
+
+@intrinsic
+def first_keys(typingctx, v, n, fill):
+    """Lanes of each 16-lane segment at index >= n replaced by fill (keys past a block's end)."""
+    def codegen(context, builder, sig, args):
+        idx = ir.Constant(ir.VectorType(ir.IntType(64), PIECE), list(range(PIECE)))
+        n64 = context.cast(builder, args[1], sig.args[1], types.int64)
+        keep = builder.icmp_signed("<", idx, _splat_piece(builder, n64, PIECE))
+        fill = _splat_piece(builder, context.cast(builder, args[2], sig.args[2], types.float32),
+                            PIECE)
+        return _map(builder, lambda p: builder.select(keep, p, fill), args[0])
+    return v(v, n, fill), codegen
+
+
+@intrinsic(prefer_literal=True)
+def head_dots(typingctx, x, q_all, heads):
+    """A key's dot products with `heads` query heads, each left as 16 partial sums: x (D,) against
+    q_all (heads x D,) -> (heads x 16,). int16 lanes go 32 at a time, products summed in pairs
+    into int32 (exact; LLVM's vpdpwssd or vpmaddwd); float32 lanes 16 at a time (FMAs)."""
+    R = _literal(heads)
+    is_int = isinstance(x.dtype, types.Integer)
+
+    def codegen(context, builder, sig, args):
+        xs, qs = _pieces(builder, args[0]), _pieces(builder, args[1])
+        per = len(xs)  # pieces per head
+        sums = []
+        for r in range(R):
+            total = None
+            for c in range(0, per, 2 if is_int else 1):
+                if is_int:  # two int16 pieces: 32 lanes -> 16 int32 sums of pairs
+                    wide = ir.VectorType(ir.IntType(32), 2 * PIECE)
+                    a = builder.shuffle_vector(xs[c], xs[c + 1], _mask(list(range(2 * PIECE))))
+                    b = builder.shuffle_vector(qs[r * per + c], qs[r * per + c + 1],
+                                               _mask(list(range(2 * PIECE))))
+                    prod = builder.mul(builder.sext(a, wide), builder.sext(b, wide))
+                    part = builder.add(
+                        builder.shuffle_vector(prod, prod, _mask(list(range(0, 2 * PIECE, 2)))),
+                        builder.shuffle_vector(prod, prod, _mask(list(range(1, 2 * PIECE, 2)))))
+                    total = part if total is None else builder.add(total, part)
+                else:
+                    part = builder.fmul(xs[c], qs[r * per + c], flags=FLAGS)
+                    total = part if total is None else builder.fadd(total, part, flags=FLAGS)
+            sums.append(total)
+        return _whole(builder, sums)
+    return Vec(types.int32 if is_int else types.float32, PIECE * R)(x, q_all, heads), codegen
+
+
+@intrinsic
+def keys_major(typingctx, v):
+    """(heads x 16) lanes -> (16 x heads): a key's weights for every head side by side."""
+    def codegen(context, builder, sig, args):
+        R = sig.args[0].lanes // PIECE
+        return _pick(builder, [args[0]], [(0, r * PIECE + t) for t in range(PIECE)
+                                          for r in range(R)], R * PIECE)
+    return v(v), codegen
+
+
+@intrinsic(prefer_literal=True)
+def to_channel_order(typingctx, v, planes, channels):
+    """The inverse of to_stored_order."""
+    pb, D = _literal(planes), _literal(channels)
+    n = D // pb
+
+    def codegen(context, builder, sig, args):
+        heads = sig.args[0].lanes // D
+        return _pick(builder, [args[0]], [(0, r * D + c % pb * n + c // pb)
+                                          for r in range(heads) for c in range(D)], heads * D)
+    return v(v, planes, channels), codegen
+
+
+# ---- lane by lane -----------------------------------------------------------------------------
+
+@intrinsic(prefer_literal=True)
+def repeat(typingctx, v, times):
+    """v's lanes, `times` copies side by side (a key's channels once per query head)."""
+    k = _literal(times)
+
+    def codegen(context, builder, sig, args):
+        n = sig.args[0].lanes
+        return _pick(builder, [args[0]], [(0, i % n) for i in range(n * k)], n * k)
+    return Vec(v.dtype, v.lanes * k)(v, times), codegen
+
+
+@intrinsic
+def round_int16(typingctx, v):
+    """float32 lanes rounded to the nearest (even) int16."""
+    def codegen(context, builder, sig, args):
+        def one(p):
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(p.type, [p.type]),
+                                                f"llvm.rint.v{p.type.count}f32")
+            return builder.fptosi(builder.call(fn, [p]),
+                                  ir.VectorType(ir.IntType(16), p.type.count))
+        return _map(builder, one, args[0])
+    return Vec(types.int16, v.lanes)(v), codegen
+
+
+@intrinsic
+def exp2(typingctx, v):
+    """2^x per lane for float32 x <= 0, as cpu_numerics.exp2 (floor -126, Taylor to f^7)."""
+    def codegen(context, builder, sig, args):
+        def one(p):
+            n = p.type.count
+            f32, i32 = p.type, ir.VectorType(ir.IntType(32), n)
+
+            def const(c):
+                return _splat_piece(builder, ir.FloatType()(c), n)
+            x = builder.select(builder.fcmp_ordered(">=", p, const(-126.0)), p, const(-126.0))
+            rint = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32, [f32]),
+                                                  f"llvm.rint.v{n}f32")
+            k = builder.call(rint, [x])
+            f = builder.fmul(builder.fsub(x, k), const(0.6931471805599453))
+            e = const(1 / 5040)
+            for c in (1 / 720, 1 / 120, 1 / 24, 1 / 6, 1 / 2, 1.0, 1.0):
+                e = builder.fadd(builder.fmul(e, f, flags=("contract",)), const(c),
+                                 flags=("contract",))
+            scale = builder.shl(builder.add(builder.fptosi(k, i32),
+                                            _splat_piece(builder, ir.IntType(32)(127), n)),
+                                _splat_piece(builder, ir.IntType(32)(23), n))
+            return builder.fmul(e, builder.bitcast(scale, f32))
+        return _map(builder, one, args[0])
+    return v(v), codegen
+
+
+@intrinsic
+def fma(typingctx, a, b, c):
+    """a * b + c, lane by lane, fused and exactly as written (llvm.fma: never reassociated)."""
+    def codegen(context, builder, sig, args):
+        def one(x, y, z):
+            fn = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(x.type, [x.type] * 3),
+                f"llvm.fma.v{x.type.count}f32")
+            return builder.call(fn, [x, y, z])
+        return _map(builder, one, *args)
+    return a(a, b, c), codegen
+
+
+@intrinsic
+def vmax(typingctx, a, b):
+    """The larger of a and b, lane by lane (float32)."""
+    def codegen(context, builder, sig, args):
+        return _map(builder, lambda p, q: builder.select(builder.fcmp_ordered(">=", p, q), p, q),
+                    args[0], args[1])
+    return a(a, b), codegen
+
+
+@intrinsic(prefer_literal=True)
+def to_stored_order(typingctx, v, planes, channels):
+    """Per segment of `channels` lanes (a head): channel order -> the stored order of packed
+    codes (lane j * (channels / planes) + i holds channel planes * i + j)."""
+    pb, D = _literal(planes), _literal(channels)
+    n = D // pb
+
+    def codegen(context, builder, sig, args):
+        heads = sig.args[0].lanes // D
+        return _pick(builder, [args[0]], [(0, r * D + pb * i + j) for r in range(heads)
+                                          for j in range(pb) for i in range(n)], heads * D)
+    return v(v, planes, channels), codegen
+
+
+@intrinsic
+def log2(typingctx, v):
+    """log2 per lane (float32)."""
+    def codegen(context, builder, sig, args):
+        def one(p):
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(p.type, [p.type]),
+                                                f"llvm.log2.v{p.type.count}f32")
+            return builder.call(fn, [p])
+        return _map(builder, one, args[0])
+    return v(v), codegen
+
+
+@intrinsic
+def where_positive(typingctx, test, a, b):
+    """a where test > 0, else b, lane by lane."""
+    def codegen(context, builder, sig, args):
+        def one(t, x, y):
+            zero = ir.Constant(t.type, None)
+            return builder.select(builder.fcmp_ordered(">", t, zero), x, y)
+        return _map(builder, one, *args)
+    return a(test, a, b), codegen
