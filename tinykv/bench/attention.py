@@ -1,0 +1,312 @@
+"""The CPU attention kernel beside its ceilings, all measured in one run
+(`python -m tinykv bench kernel --cpu`; `bench roofline` prints it too).
+
+For each KV spec and decode shape (batch x context), on synthetic pools of the default model's
+shape (3 KV heads of 3 query heads, head_dim 64, blocks of 16, in shuffled physical order):
+- attention: one layer call of the fused CPU kernel (cpu.CpuKernels().attend, as a cache calls it);
+- touch: the same call's K/V bytes and scales read in block-table order, with no math: the read
+  ceiling of that exact layout and block order. attention / touch is "x touch".
+- % bandwidth: the call's bytes over its time, against the machine's read bandwidth (a sum over
+  a large array);
+- cycles per key and KV head, at the clock measured here (a chain of dependent 1-cycle ops), and
+  the FMA peak (a loop of independent vector FMAs; torch's matmul would measure its own kernel).
+Every layer call reads its own pool (pseudo-layers cycled past the last-level cache), so K/V come
+from DRAM as in a real decode step. Specs and the touch are interleaved, repetition by repetition,
+so drift in the machine's speed hits them alike; each number is a median over repetitions.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..kernels.cpu_numerics import AVAILABLE, REASON, njit
+from ..kernels.layout import PoolLayer
+from ..quant import KVSpec, QuantParams, compute_scales, quantize
+
+SHAPE = dict(kv_heads=3, n_rep=3, head_dim=64, block_size=16)  # the default model's
+MODES = {"full": dict(shapes=[(1, 4096), (1, 8192), (16, 1024)], reps=7),
+         "quick": dict(shapes=[(1, 256), (2, 128)], reps=2)}
+KIVI = "k=int4:channel:asym,v=int4:g32:asym"
+SPECS = ["fp16", "int8", "int4", KIVI]
+
+
+# ---- the machine ----------------------------------------------------------------------------
+
+@njit(cache=True)
+def _xor_words(words):
+    acc = np.uint64(0)
+    for i in range(words.shape[0]):
+        acc ^= words[i]
+    return acc
+
+
+@njit(cache=True)
+def _chain(n, x):
+    """n iterations of two dependent 1-cycle integer ops (a shift, then an xor)."""
+    for i in range(n):
+        x = (x >> np.uint64(1)) ^ (x + np.uint64(i))
+    return x
+
+
+def read_bandwidth(mib: int = 512, reps: int = 3) -> float:
+    """GB/s of a single pass over `mib` MiB (best of reps, after one untimed pass)."""
+    words = np.ones(mib * 2**20 // 8, np.uint64)
+    _xor_words(words)
+    best = min(_timed(_xor_words, words) for _ in range(reps))
+    return words.nbytes / best / 1e9
+
+
+def clock_ghz(n: int = 50_000_000) -> float:
+    """The core's clock: 2 cycles an iteration of `_chain` (best of 3)."""
+    _chain(10, np.uint64(1))
+    return 2 * n / min(_timed(_chain, n, np.uint64(12345)) for _ in range(3)) / 1e9
+
+
+def fma_peak(n: int = 20_000_000) -> float:
+    """Float32 FMAs per second (G): 8 independent chains of 16-lane multiply-adds (enough to
+    fill two FMA units of 4 cycles' latency)."""
+    from ..kernels.cpu_simd import splat, store
+    from ..kernels.cpu_simd_ops import fma
+
+    @njit
+    def fmas(out, n):
+        a, b = splat(0.999, 16), splat(0.5, 16)
+        x0, x1, x2, x3 = splat(1.0, 16), splat(2.0, 16), splat(3.0, 16), splat(4.0, 16)
+        x4, x5, x6, x7 = splat(5.0, 16), splat(6.0, 16), splat(7.0, 16), splat(8.0, 16)
+        for _ in range(n):  # llvm.fma: exactly one FMA each, never folded across iterations
+            x0, x1, x2, x3 = fma(x0, a, b), fma(x1, a, b), fma(x2, a, b), fma(x3, a, b)
+            x4, x5, x6, x7 = fma(x4, a, b), fma(x5, a, b), fma(x6, a, b), fma(x7, a, b)
+        store(out, 0, x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7)
+
+    out = np.zeros(16, np.float32)
+    fmas(out, 10)
+    return 8 * 16 * n / min(_timed(fmas, out, n) for _ in range(3)) / 1e9
+
+
+def last_level_cache() -> int:
+    """Bytes of the largest CPU cache (sysfs), 64 MiB where it cannot be read."""
+    sizes = []
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = f.read_text().strip().upper()
+        mult = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+        sizes.append(int(text.rstrip("KMG")) * mult)
+    return max(sizes, default=64 * 2**20)
+
+
+def _timed(fn, *args) -> float:
+    t0 = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - t0
+
+
+# ---- pools and the touch --------------------------------------------------------------------
+
+def make_pool(p: QuantParams, n_blocks: int, gen: torch.Generator) -> PoolLayer:
+    """n_blocks random blocks stored as the cache stores them (per-token or per-block scales)."""
+    H, BS, D = SHAPE["kv_heads"], SHAPE["block_size"], SHAPE["head_dim"]
+    x = torch.randn(n_blocks, H, BS, D, generator=gen)  # (NB, H, BS, D)
+    if p.is_float:
+        return PoolLayer(x.to(p.storage_dtype), None, None, p)
+    scale, zero = compute_scales(x, p)
+    return PoolLayer(quantize(x, p, scale, zero, count=False)[0], scale, zero, p)
+
+
+def _block_words(t: torch.Tensor | None) -> np.ndarray:
+    """A pool tensor as (blocks, 64-bit words): what the touch reads of each block."""
+    if t is None or t.shape[0] == 1:  # absent, or one set for the layer: nothing per block
+        return np.zeros((1, 0), np.uint64)
+    flat = t.contiguous().view(torch.uint8).reshape(t.shape[0], -1)
+    pad = -flat.shape[1] % 8
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(flat.shape[0], pad)], 1)
+    return flat.numpy().view(np.uint64)
+
+
+@njit(cache=True)
+def _touch(table, ctx_lens, block_size, kw, vw, ksw, kzw, vsw, vzw):
+    """Read every block a row holds (K, V and their scales), in block-table order."""
+    acc = np.uint64(0)
+    for b in range(table.shape[0]):
+        for j in range((ctx_lens[b] + block_size - 1) // block_size):
+            blk = table[b, j]
+            for words in (kw, vw, ksw, kzw, vsw, vzw):
+                if words.shape[1]:
+                    for i in range(words.shape[1]):
+                        acc ^= words[blk, i]
+    return acc
+
+
+class Layer:
+    """One pseudo-layer: its K and V pools, shuffled block table, and the touch's view of them."""
+
+    def __init__(self, spec: KVSpec, batch: int, context: int, gen: torch.Generator):
+        BS = SHAPE["block_size"]
+        per_row = -(-context // BS)
+        self.k = make_pool(spec.k, batch * per_row, gen)
+        self.v = make_pool(spec.v, batch * per_row, gen)
+        order = torch.randperm(batch * per_row, generator=gen)
+        self.table = order.view(batch, per_row).int()  # (B, MB): blocks in shuffled order
+        self.words = [_block_words(t) for t in (self.k.data, self.v.data, self.k.scale,
+                                                self.k.zero, self.v.scale, self.v.zero)]
+        self.nbytes = sum(w.nbytes for w in self.words)
+
+    def touch(self, ctx_lens: np.ndarray) -> None:
+        _touch(self.table.numpy(), ctx_lens, SHAPE["block_size"], *self.words)
+
+
+def _layers(spec: KVSpec, batch: int, context: int, budget: int) -> list[Layer]:
+    """Pseudo-layers of one spec and shape, enough to hold `budget` bytes: one made, the rest
+    copies of it with their own shuffled tables (their bytes at other addresses)."""
+    gen = torch.Generator().manual_seed(batch * context)
+    first = Layer(spec, batch, context, gen)
+    out = [first]
+    while sum(x.nbytes for x in out) < budget:
+        layer = object.__new__(Layer)
+        layer.k = PoolLayer(*[_clone(t) for t in (first.k.data, first.k.scale, first.k.zero)],
+                            first.k.p)
+        layer.v = PoolLayer(*[_clone(t) for t in (first.v.data, first.v.scale, first.v.zero)],
+                            first.v.p)
+        layer.table = torch.randperm(first.table.numel(), generator=gen).view_as(first.table)
+        layer.table = layer.table.int()
+        layer.words = [_block_words(t) for t in (layer.k.data, layer.v.data, layer.k.scale,
+                                                 layer.k.zero, layer.v.scale, layer.v.zero)]
+        layer.nbytes = first.nbytes
+        out.append(layer)
+    return out
+
+
+def _clone(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.clone()
+
+
+# ---- the measurement ------------------------------------------------------------------------
+
+def measure_shape(specs: list[str], batch: int, context: int, reps: int, budget: int) -> dict:
+    """Median per-call seconds of attention and of the touch, per spec, interleaved."""
+    from ..kernels.cpu import CpuKernels
+
+    H, R, D = SHAPE["kv_heads"], SHAPE["n_rep"], SHAPE["head_dim"]
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(batch, H * R, D, generator=gen)  # (B, Hq, D)
+    q_seq = torch.arange(batch)
+    q_pos = torch.full((batch,), context - 1)
+    ctx_lens = torch.full((batch,), context, dtype=torch.int32)
+    lens = ctx_lens.numpy().astype(np.int64)
+    kernels = {s: CpuKernels() for s in specs}
+    layers = {s: _layers(KVSpec.parse(s), batch, context, budget) for s in specs}
+
+    def attend(spec: str) -> None:
+        for x in layers[spec]:
+            kernels[spec].attend(q, q_seq, q_pos, x.k, x.v, x.table, ctx_lens, D**-0.5)
+
+    def touch(spec: str) -> None:
+        for x in layers[spec]:
+            x.touch(lens)
+
+    times = {(s, what): [] for s in specs for what in ("attend", "touch")}
+    for s in specs:  # compile, fault the pages in
+        attend(s)
+        touch(s)
+    for _ in range(reps):
+        for s in specs:
+            for what, fn in (("attend", attend), ("touch", touch)):
+                times[s, what].append(_timed(fn, s) / len(layers[s]))
+    return {s: {"attend_s": statistics.median(times[s, "attend"]),
+                "touch_s": statistics.median(times[s, "touch"]),
+                "bytes": layers[s][0].nbytes, "layers": len(layers[s])} for s in specs}
+
+
+def set_threads(n: int) -> None:
+    """numba's threads, then torch's (starting numba's OpenMP pool resets the count they share)."""
+    import numba
+
+    numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+    torch.set_num_threads(n)
+
+
+def collect(specs: list[str], shapes: list[tuple[int, int]], threads: list[int], reps: int,
+            budget: int) -> dict:
+    """The machine's ceilings, then a row per thread count, shape and spec."""
+    machine = {"read_gb_s": read_bandwidth(), "clock_ghz": clock_ghz(), "fma_g_s": fma_peak()}
+    rows = []
+    for n in threads:
+        set_threads(n)
+        for batch, context in shapes:
+            got = measure_shape(specs, batch, context, reps, budget)
+            for s in specs:
+                rows.append(_row(s, batch, context, n, got, machine, rows))
+    return {"machine": machine, "shape": SHAPE, "budget_bytes": budget, "reps": reps,
+            "rows": rows}
+
+
+def _row(spec: str, batch: int, context: int, threads: int, got: dict, machine: dict,
+         earlier: list[dict]) -> dict:
+    g = got[spec]
+    t = g["attend_s"]
+    keys = batch * context * SHAPE["kv_heads"]
+    row = {"kv": spec, "batch": batch, "context": context, "threads": threads,
+           "ms": 1e3 * t, "touch_ms": 1e3 * g["touch_s"], "x_touch": t / g["touch_s"],
+           "gb_s": g["bytes"] / t / 1e9, "cycles_per_key": t * machine["clock_ghz"] * 1e9 / keys,
+           "layers": g["layers"]}
+    row["pct_bandwidth"] = 100 * row["gb_s"] / machine["read_gb_s"]
+    if "fp16" in got:
+        row["vs_fp16"] = t / got["fp16"]["attend_s"]
+    one = [r for r in earlier if (r["kv"], r["batch"], r["context"], r["threads"])
+           == (spec, batch, context, 1)]
+    if threads > 1 and one:
+        row["speedup"] = one[0]["ms"] / row["ms"]
+    return row
+
+
+def render(results: dict) -> str:
+    """The table (Markdown), with the machine's ceilings above it."""
+    m = results["machine"]
+    head = ["KV spec", "threads", "batch x ctx", "attend ms", "touch ms", "x touch", "GB/s",
+            "% read bw", "vs fp16", "cycles/key/head", "vs 1 thread"]
+    lines = [f"Read bandwidth {m['read_gb_s']:.1f} GB/s, clock {m['clock_ghz']:.2f} GHz, "
+             f"FMA peak {m['fma_g_s']:.0f} GFMA/s (float32, one thread).", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in results["rows"]:
+        name = "KIVI-style" if r["kv"] == KIVI else r["kv"]
+        cells = [f"`{name}`", r["threads"], f"{r['batch']}x{r['context']}", f"{r['ms']:.3f}",
+                 f"{r['touch_ms']:.3f}", f"{r['x_touch']:.2f}", f"{r['gb_s']:.1f}",
+                 f"{r['pct_bandwidth']:.0f}%", _ratio(r.get("vs_fp16")),
+                 f"{r['cycles_per_key']:.0f}", _ratio(r.get("speedup"))]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(lines)
+
+
+def _ratio(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}x"
+
+
+def run(specs: list[str] | None = None, shapes: list[tuple[int, int]] | None = None,
+        threads: list[int] | None = None, quick: bool = False,
+        out: str | Path | None = "bench/attention-cpu.json") -> dict:
+    """Measure, print the table, save the JSON (written beside, then renamed); restores threads."""
+    if not AVAILABLE:
+        raise RuntimeError(REASON)
+    mode = MODES["quick" if quick else "full"]
+    out = None if out is None else Path(out)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    before = torch.get_num_threads()
+    budget = 2**20 if quick else 2 * last_level_cache()  # past the cache: reads from DRAM
+    try:
+        res = collect(specs or SPECS, shapes or mode["shapes"], threads or [1], mode["reps"],
+                      budget)
+    finally:
+        set_threads(before)
+    print(render(res))
+    if out is not None:
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text(json.dumps(res, indent=1))
+        tmp.replace(out)
+        print(f"[tinykv] results in {out}")
+    return res
