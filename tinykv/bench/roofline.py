@@ -63,12 +63,13 @@ def _progress(what: str) -> None:
 
 
 def set_threads(n: int) -> None:
-    """torch's threads, and numba's where it is installed (the fused CPU kernel runs on them)."""
-    torch.set_num_threads(n)
+    """torch's threads, and numba's where it is installed (the fused CPU kernel runs on them).
+    numba's first: starting its OpenMP pool resets the OpenMP thread count torch shares."""
     if importlib.util.find_spec("numba"):
         import numba
 
         numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+    torch.set_num_threads(n)
 
 
 def _seconds(fn: Callable[[], object], reps: int) -> list[float]:
