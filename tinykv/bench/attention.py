@@ -27,7 +27,8 @@ import torch
 
 from ..kernels.cpu_numerics import AVAILABLE, REASON, njit
 from ..kernels.layout import PoolLayer
-from ..quant import KVSpec, QuantParams, compute_scales, quantize
+from ..quant import compute_scales, quantize
+from ..spec import KVSpec, QuantParams
 
 SHAPE = dict(kv_heads=3, n_rep=3, head_dim=64, block_size=16)  # the default model's
 MODES = {"full": dict(shapes=[(1, 4096), (1, 8192), (16, 1024)], reps=7),
@@ -222,6 +223,53 @@ def measure_shape(specs: list[str], batch: int, context: int, reps: int, budget:
                 "bytes": layers[s][0].nbytes, "layers": len(layers[s])} for s in specs}
 
 
+def fixed_costs(spec: str, calls: int = 300, rounds: int = 5) -> dict:
+    """Microseconds per layer call that do not depend on the context (best of `rounds` loops of
+    `calls` calls): attention over one key at batch 1; of it, the compiled kernel alone handed
+    no work item (numba unboxing the arguments); the store of one token (quantize-and-store, a
+    side without block-wise scales)."""
+    from ..kernels.cpu import CpuKernels
+
+    H, R, D = SHAPE["kv_heads"], SHAPE["n_rep"], SHAPE["head_dim"]
+    gen = torch.Generator().manual_seed(1)
+    kv = KVSpec.parse(spec)
+    k, v = make_pool(kv.k, 2, gen), make_pool(kv.v, 2, gen)
+    q = torch.randn(1, H * R, D, generator=gen)  # (1, Hq, D)
+    zero, one = torch.zeros(1, dtype=torch.long), torch.ones(1, dtype=torch.int32)
+    table = torch.zeros(1, 1, dtype=torch.int32)  # (1, 1): block 0
+    kernels = CpuKernels()
+
+    def attend() -> None:
+        kernels.attend(q, zero, zero, k, v, table, one, D**-0.5)
+
+    attend()
+    serial, _, k_arrays, v_arrays, *_ = kernels._call(k, v, H * R, D)
+    step = kernels._step(zero, zero, table, one)
+    empty = (q.numpy(), step.q_seq, step.q_pos, step.table, step.ctx_lens, k_arrays, v_arrays,
+             H, SHAPE["block_size"], np.float32(0.125), np.empty((1, 1, H * R, D), np.float32),
+             np.empty((1, 1, H * R), np.float32))
+    out = {"attend_us": _per_call(attend, calls, rounds),
+           "dispatch_us": _per_call(lambda: serial(0, 0, *empty), calls, rounds)}
+    side = kv.k if not kv.k.block_wise else kv.v
+    pool = k if side is kv.k else v
+    if not side.block_wise:
+        x = torch.randn(1, H, D, generator=gen)  # (1, H, D): one new token
+        out["store_us"] = _per_call(lambda: kernels.store(x, side, pool.data, pool.scale,
+                                                          pool.zero, zero, zero), calls, rounds)
+    return out
+
+
+def _per_call(fn, calls: int, rounds: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / calls)
+    return 1e6 * best
+
+
 def set_threads(n: int) -> None:
     """numba's threads, then torch's (starting numba's OpenMP pool resets the count they share)."""
     import numba
@@ -233,7 +281,8 @@ def set_threads(n: int) -> None:
 def collect(specs: list[str], shapes: list[tuple[int, int]], threads: list[int], reps: int,
             budget: int) -> dict:
     """The machine's ceilings, then a row per thread count, shape and spec."""
-    machine = {"read_gb_s": read_bandwidth(), "clock_ghz": clock_ghz(), "fma_g_s": fma_peak()}
+    mib = 512 if budget > 2**20 else 16  # a quick run: a token bandwidth
+    machine = {"read_gb_s": read_bandwidth(mib), "clock_ghz": clock_ghz(), "fma_g_s": fma_peak()}
     rows = []
     for n in threads:
         set_threads(n)
@@ -241,8 +290,9 @@ def collect(specs: list[str], shapes: list[tuple[int, int]], threads: list[int],
             got = measure_shape(specs, batch, context, reps, budget)
             for s in specs:
                 rows.append(_row(s, batch, context, n, got, machine, rows))
+    fixed = {s: fixed_costs(s) for s in specs}  # threads as the last count
     return {"machine": machine, "shape": SHAPE, "budget_bytes": budget, "reps": reps,
-            "rows": rows}
+            "rows": rows, "fixed_us": fixed}
 
 
 def _row(spec: str, batch: int, context: int, threads: int, got: dict, machine: dict,
@@ -255,6 +305,8 @@ def _row(spec: str, batch: int, context: int, threads: int, got: dict, machine: 
            "gb_s": g["bytes"] / t / 1e9, "cycles_per_key": t * machine["clock_ghz"] * 1e9 / keys,
            "layers": g["layers"]}
     row["pct_bandwidth"] = 100 * row["gb_s"] / machine["read_gb_s"]
+    fmas = keys * SHAPE["n_rep"] * SHAPE["head_dim"] * 2  # q . k and p * v, per query head
+    row["pct_fma_peak"] = 100 * fmas / t / 1e9 / machine["fma_g_s"]
     if "fp16" in got:
         row["vs_fp16"] = t / got["fp16"]["attend_s"]
     one = [r for r in earlier if (r["kv"], r["batch"], r["context"], r["threads"])
@@ -268,22 +320,40 @@ def render(results: dict) -> str:
     """The table (Markdown), with the machine's ceilings above it."""
     m = results["machine"]
     head = ["KV spec", "threads", "batch x ctx", "attend ms", "touch ms", "x touch", "GB/s",
-            "% read bw", "vs fp16", "cycles/key/head", "vs 1 thread"]
+            "% read bw", "% FMA peak", "vs fp16", "cycles/key/head", "vs 1 thread"]
     lines = [f"Read bandwidth {m['read_gb_s']:.1f} GB/s, clock {m['clock_ghz']:.2f} GHz, "
              f"FMA peak {m['fma_g_s']:.0f} GFMA/s (float32, one thread).", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results["rows"]:
-        name = "KIVI-style" if r["kv"] == KIVI else r["kv"]
+        name = "KIVI-style" if r["kv"].startswith(KIVI) else r["kv"]
         cells = [f"`{name}`", r["threads"], f"{r['batch']}x{r['context']}", f"{r['ms']:.3f}",
                  f"{r['touch_ms']:.3f}", f"{r['x_touch']:.2f}", f"{r['gb_s']:.1f}",
-                 f"{r['pct_bandwidth']:.0f}%", _ratio(r.get("vs_fp16")),
-                 f"{r['cycles_per_key']:.0f}", _ratio(r.get("speedup"))]
+                 f"{r['pct_bandwidth']:.0f}%", f"{r['pct_fma_peak']:.1f}%",
+                 _ratio(r.get("vs_fp16")), f"{r['cycles_per_key']:.0f}", _ratio(r.get("speedup"))]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
-    return "\n".join(lines)
+    return "\n".join(lines + _render_fixed(results.get("fixed_us", {})))
+
+
+def _render_fixed(fixed: dict) -> list[str]:
+    """The per-call costs that do not depend on the context, one line per spec."""
+    lines = ["", "Fixed cost per layer call (us, best loop): attention over 1 key (of it, the "
+             "compiled kernel given no work), and the store of one token's K or V:", ""]
+    for spec, f in fixed.items():
+        name = "KIVI-style" if spec.startswith(KIVI) else spec
+        store = f"{f['store_us']:.1f}" if "store_us" in f else "-"
+        lines.append(f"- `{name}`: attend {f['attend_us']:.1f} (kernel {f['dispatch_us']:.1f}), "
+                     f"store {store}")
+    return lines if fixed else []
 
 
 def _ratio(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}x"
+
+
+def budget_bytes(quick: bool) -> int:
+    """Bytes of pseudo-layers per spec and shape: past the last-level cache (reads from DRAM),
+    or 1 MiB for a quick run."""
+    return 2**20 if quick else 2 * last_level_cache()
 
 
 def run(specs: list[str] | None = None, shapes: list[tuple[int, int]] | None = None,
@@ -297,7 +367,7 @@ def run(specs: list[str] | None = None, shapes: list[tuple[int, int]] | None = N
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
     before = torch.get_num_threads()
-    budget = 2**20 if quick else 2 * last_level_cache()  # past the cache: reads from DRAM
+    budget = budget_bytes(quick)
     try:
         res = collect(specs or SPECS, shapes or mode["shapes"], threads or [1], mode["reps"],
                       budget)

@@ -36,15 +36,17 @@ from ..model import Config, Linear, Transformer
 from ..outputs import write_text
 from ..pools import KVPools
 from ..spec import KVSpec
+from . import attention
 from .charts import roofline_charts
 from .common import machine_info, md_table
 from .e2e import DEFAULT_SPECS, HF_QUANT, KIVI
 
 MODES = {
     "full": dict(bw_mib=512, bw_reps=5, contexts=[1024, 4096, 8192], attn_reps=7,
-                 shapes=[(1, 4096), (1, 8192), (16, 1024), (16, 2048), (64, 512)], steps=5),
+                 shapes=[(1, 4096), (1, 8192), (16, 1024), (16, 2048), (64, 512)], steps=5,
+                 quick_kernel=False),
     "quick": dict(bw_mib=64, bw_reps=2, contexts=[256, 512], attn_reps=3,
-                  shapes=[(1, 512), (4, 256)], steps=2),
+                  shapes=[(1, 512), (4, 256)], steps=2, quick_kernel=True),
 }
 FILL_CHUNK = 512  # tokens per synthetic fill step: what the cache's hot pool is sized for
 # tok/s ratios reported per shape: (name, numerator (engine, kv), denominator (engine, kv))
@@ -309,6 +311,17 @@ def unevicted(kv: str) -> str | None:
     return str(dataclasses.replace(spec, evict="", budget=0, sink=0))
 
 
+def kernel_table(specs: list[str], mode: dict, threads: int, tick: Tick) -> dict | None:
+    """One layer call of the CPU attention kernel per spec and decode shape, beside the machine's
+    ceilings and the touch of its exact layout (attention.py); None without numba."""
+    if not attention.AVAILABLE:
+        return None
+    out = attention.collect(specs, mode["shapes"], [threads], mode["attn_reps"],
+                            attention.budget_bytes(mode["quick_kernel"]))
+    tick(f"{threads} threads: the attention kernel beside its ceilings")
+    return out
+
+
 def collect(model: Transformer, hf, mode: dict, specs: list[str], threads: list[int],
             tick: Tick = _progress) -> dict:
     """Every measurement of `mode` (see MODES) at each thread count; hf None: tinykv only."""
@@ -323,6 +336,7 @@ def collect(model: Transformer, hf, mode: dict, specs: list[str], threads: list[
         set_threads(n)
         bw = measure_bandwidth(mode["bw_mib"], mode["bw_reps"])
         tick(f"{n} threads: bandwidth")
+        kernel = kernel_table(specs, mode, n, tick)
         attn = []
         for spec in specs:
             for ctx in mode["contexts"]:
@@ -342,8 +356,8 @@ def collect(model: Transformer, hf, mode: dict, specs: list[str], threads: list[
                 decode.append(_row("transformers", kind, batch, ctx, measured, w_bytes,
                                    bw["gb_s"]))
                 tick(f"{n} threads: transformers {kind} {batch}x{ctx}")
-        out["runs"].append({"threads": n, "bandwidth": bw, "attention": attn, "decode": decode,
-                            "ratios": ratios(decode)})
+        out["runs"].append({"threads": n, "bandwidth": bw, "kernel": kernel, "attention": attn,
+                            "decode": decode, "ratios": ratios(decode)})
     return out
 
 
@@ -364,6 +378,9 @@ def render(results: dict) -> str:
                 f"Read bandwidth {bw['gb_s']:.1f} GB/s, the best of torch's GEMV "
                 f"{bw['gemv_gb_s']:.1f}, tinykv's {bw.get('tinykv_gemv_gb_s', 0):.1f} and a sum "
                 f"{bw['sum_gb_s']:.1f}, over {bw['bytes'] / 2**20:.0f} MiB.", ""]
+        if run.get("kernel"):
+            out += ["One layer call of the CPU attention kernel beside the touch of its exact "
+                    "layout (bench/attention.py).", "", attention.render(run["kernel"]), ""]
         attn = [[f"`{r['kv']}`", r["context"], f"{r['kv_bytes'] / 1e6:.3g}", f"{r['ms']:.3g}",
                  f"{r['gb_s']:.3g}", f"{r['pct_bandwidth']:.3g}%"] for r in run["attention"]]
         out += md_table(["KV spec", "context", "KV MB", "attend ms", "GB/s", "% bandwidth"], attn)
