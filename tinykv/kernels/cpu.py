@@ -21,7 +21,7 @@ import torch
 
 from ..spec import QuantParams
 from .cpu_args import as_index, pool_arrays, readable
-from .cpu_numerics import AVAILABLE, REASON, kernel, numba
+from .cpu_numerics import AVAILABLE, REASON, njit, numba
 from .cpu_plain import attention_kernel
 from .cpu_store import quantize_store_cpu, store_args, store_rows  # noqa: F401 (the store)
 from .cpu_vector import takes, vector_kernel
@@ -42,8 +42,10 @@ class _Step:
         self.q_pos = as_index(q_pos, np.int64)
         self.table = as_index(table, np.int32)
         self.ctx_lens = as_index(ctx_lens, np.int64)
-        counts = np.bincount(self.q_seq, minlength=len(self.ctx_lens))  # queries per row
-        self.chunked = bool(len(self.q_seq)) and int(counts.max()) > CHUNK_MAX
+        self.chunked = False  # a row of more than CHUNK_MAX queries: a prefill chunk
+        if len(self.q_seq) > CHUNK_MAX:
+            counts = np.bincount(self.q_seq, minlength=len(self.ctx_lens))  # queries per row
+            self.chunked = int(counts.max()) > CHUNK_MAX
 
     def holds(self, q_seq, q_pos, table, ctx_lens) -> bool:
         mine = self.tensors
@@ -198,7 +200,7 @@ def _follow_torch_threads(wanted: int) -> int:
     return wanted
 
 
-@kernel(error_model="numpy")
+@njit(cache=True, error_model="numpy")  # numba's own cache key: this file's stamp
 def _merge_splits(o, lse):
     """Merge partials over disjoint key sets into o[0], lse[0]: o (S, N, Hq, D), lse (S, N, Hq)."""
     S, N, Hq, D = o.shape
