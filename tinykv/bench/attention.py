@@ -4,12 +4,16 @@
 For each KV spec and decode shape (batch x context), on synthetic pools of the default model's
 shape (3 KV heads of 3 query heads, head_dim 64, blocks of 16, in shuffled physical order):
 - attention: one layer call of the fused CPU kernel (cpu.CpuKernels().attend, as a cache calls it);
+  "in cache": the same call on one pool read again and again (it stays in the caches): the
+  kernel's math alone, without waiting on DRAM;
 - touch: the same call's K/V bytes and scales read in block-table order, with no math: the read
   ceiling of that exact layout and block order. attention / touch is "x touch".
 - % bandwidth: the call's bytes over its time, against the machine's read bandwidth (a sum over
   a large array);
 - cycles per key and KV head, at the clock measured here (a chain of dependent 1-cycle ops), and
-  the FMA peak (a loop of independent vector FMAs; torch's matmul would measure its own kernel).
+  the FMA peak (a loop of independent vector FMAs; torch's matmul would measure its own kernel)
+  and the share of it the call's FMAs (q . k and p * v) reach;
+- the fixed cost of a call (`fixed_costs`): attention over one key, and the store of one token.
 Every layer call reads its own pool (pseudo-layers cycled past the last-level cache), so K/V come
 from DRAM as in a real decode step. Specs and the touch are interleaved, repetition by repetition,
 so drift in the machine's speed hits them alike; each number is a median over repetitions.
@@ -27,6 +31,7 @@ import torch
 
 from ..kernels.cpu_numerics import AVAILABLE, REASON, njit
 from ..kernels.layout import PoolLayer
+from ..outputs import write_text
 from ..quant import compute_scales, quantize
 from ..spec import KVSpec, QuantParams
 
@@ -288,8 +293,10 @@ def collect(specs: list[str], shapes: list[tuple[int, int]], threads: list[int],
         set_threads(n)
         for batch, context in shapes:
             got = measure_shape(specs, batch, context, reps, budget)
+            cached = measure_shape(specs, batch, context, reps, 1)  # one layer: stays in cache
             for s in specs:
                 rows.append(_row(s, batch, context, n, got, machine, rows))
+                rows[-1]["cached_ms"] = 1e3 * cached[s]["attend_s"]
     fixed = {s: fixed_costs(s) for s in specs}  # threads as the last count
     return {"machine": machine, "shape": SHAPE, "budget_bytes": budget, "reps": reps,
             "rows": rows, "fixed_us": fixed}
@@ -319,7 +326,8 @@ def _row(spec: str, batch: int, context: int, threads: int, got: dict, machine: 
 def render(results: dict) -> str:
     """The table (Markdown), with the machine's ceilings above it."""
     m = results["machine"]
-    head = ["KV spec", "threads", "batch x ctx", "attend ms", "touch ms", "x touch", "GB/s",
+    head = ["KV spec", "threads", "batch x ctx", "attend ms", "in cache", "touch ms", "x touch",
+            "GB/s",
             "% read bw", "% FMA peak", "vs fp16", "cycles/key/head", "vs 1 thread"]
     lines = [f"Read bandwidth {m['read_gb_s']:.1f} GB/s, clock {m['clock_ghz']:.2f} GHz, "
              f"FMA peak {m['fma_g_s']:.0f} GFMA/s (float32, one thread).", "",
@@ -327,7 +335,8 @@ def render(results: dict) -> str:
     for r in results["rows"]:
         name = "KIVI-style" if r["kv"].startswith(KIVI) else r["kv"]
         cells = [f"`{name}`", r["threads"], f"{r['batch']}x{r['context']}", f"{r['ms']:.3f}",
-                 f"{r['touch_ms']:.3f}", f"{r['x_touch']:.2f}", f"{r['gb_s']:.1f}",
+                 f"{r['cached_ms']:.3f}", f"{r['touch_ms']:.3f}", f"{r['x_touch']:.2f}",
+                 f"{r['gb_s']:.1f}",
                  f"{r['pct_bandwidth']:.0f}%", f"{r['pct_fma_peak']:.1f}%",
                  _ratio(r.get("vs_fp16")), f"{r['cycles_per_key']:.0f}", _ratio(r.get("speedup"))]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
@@ -350,6 +359,24 @@ def _ratio(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}x"
 
 
+def chart(results: dict, path: Path) -> str | None:
+    """ms per layer call per spec, a panel per thread count and shape, each bar's touch ceiling
+    marked (charts.grouped_bars); None without matplotlib."""
+    from .charts import grouped_bars
+
+    rows = results["rows"]
+    groups = list(dict.fromkeys((r["threads"], r["batch"], r["context"]) for r in rows))
+    at = {(r["kv"], r["threads"], r["batch"], r["context"]): r for r in rows}
+    series = []
+    for kv in dict.fromkeys(r["kv"] for r in rows):
+        got = [at.get((kv, *g)) for g in groups]
+        name = "tinykv " + ("KIVI-style" if kv.startswith(KIVI) else kv)
+        series.append((name, [r and r["ms"] for r in got], [r and r["touch_ms"] for r in got]))
+    names = [f"{b} x {c}, {n} thread(s)" for n, b, c in groups]
+    return grouped_bars(path, names, series, "ms per layer call",
+                        "CPU attention, one layer call; black tick: the touch of its layout")
+
+
 def budget_bytes(quick: bool) -> int:
     """Bytes of pseudo-layers per spec and shape: past the last-level cache (reads from DRAM),
     or 1 MiB for a quick run."""
@@ -364,8 +391,6 @@ def run(specs: list[str] | None = None, shapes: list[tuple[int, int]] | None = N
         raise RuntimeError(REASON)
     mode = MODES["quick" if quick else "full"]
     out = None if out is None else Path(out)
-    if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
     before = torch.get_num_threads()
     budget = budget_bytes(quick)
     try:
@@ -375,8 +400,7 @@ def run(specs: list[str] | None = None, shapes: list[tuple[int, int]] | None = N
         set_threads(before)
     print(render(res))
     if out is not None:
-        tmp = out.with_name(out.name + ".tmp")
-        tmp.write_text(json.dumps(res, indent=1))
-        tmp.replace(out)
-        print(f"[tinykv] results in {out}")
+        write_text(out, json.dumps(res, indent=1), make_folders=True)
+        png = chart(res, out.with_suffix(".png"))
+        print(f"[tinykv] results in {out}" + (f", {png}" if png else ""))
     return res

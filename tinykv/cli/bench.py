@@ -59,6 +59,8 @@ def cmd_bench_kernel(args) -> None:
     from ..bench import kernel
 
     given = {dest for _, dest, _ in given_flags(args)}
+    if args.cpu:
+        return cmd_bench_cpu_kernel(args, given)
     if args.aot:
         kernel.aot_report(out=args.out if "out" in given else None)
         return
@@ -68,6 +70,24 @@ def cmd_bench_kernel(args) -> None:
             spec.k.check(head_dim)
             spec.v.check(head_dim)
     kernel.bench_kernel(specs, args.block_size, args.reps, args.quick, args.out)
+
+
+def cmd_bench_cpu_kernel(args, given: set[str]) -> None:
+    """bench kernel --cpu: bench/attention.py at the default model's shape, one layer call."""
+    from ..bench import attention
+
+    if "aot" in given or "block_size" in given or "reps" in given:
+        raise UsageError("bench kernel --cpu takes --kv, --quick, --threads and --out")
+    for spec in args.kv or []:
+        spec.k.check(attention.SHAPE["head_dim"])
+        spec.v.check(attention.SHAPE["head_dim"])
+    out = Path(args.out if "out" in given else "bench/attention-cpu.json")
+    derived = {"the chart": out.with_suffix(".png")}
+    if "out" not in given:  # --out (checked as given) otherwise names the JSON
+        derived["the JSON"] = out
+    check_io(args, derived)
+    specs = [str(s) for s in args.kv] if args.kv else None
+    attention.run(specs, threads=args.thread_counts, quick=args.quick, out=out)
 
 
 def cmd_bench_roofline(args) -> None:

@@ -235,6 +235,11 @@ def add_kernel_parser(bsub: argparse._SubParsersAction) -> None:
     k.add_argument("--block-size", type=int_range(1, 4096), default=16, metavar="N",
                    help="tokens per cache block")
     k.add_argument("--reps", type=POSITIVE, metavar="N", help="timed calls per point")
+    k.add_argument("--cpu", action="store_true",
+                   help="the CPU attention kernel beside its ceilings (touch of its layout, read "
+                        "bandwidth, FMA peak); --out defaults to bench/attention-cpu.json")
+    k.add_argument("--threads", dest="thread_counts", type=int_range(1, usable_cores()),
+                   nargs="+", default=[1], metavar="N", help="with --cpu: thread counts")
     k.set_defaults(prog=k.prog)
 
 
