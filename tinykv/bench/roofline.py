@@ -317,7 +317,7 @@ def kernel_table(specs: list[str], mode: dict, threads: int, tick: Tick) -> dict
     if not attention.AVAILABLE:
         return None
     out = attention.collect(specs, mode["shapes"], [threads], mode["attn_reps"],
-                            attention.budget_bytes(mode["quick_kernel"]))
+                            attention.budget_bytes(mode.get("quick_kernel", True)))  # else small
     tick(f"{threads} threads: the attention kernel beside its ceilings")
     return out
 
