@@ -121,59 +121,25 @@ def bench_kernel(specs: list[str], block_size: int = 16, reps: int | None = None
     cuda = torch.cuda.is_available()
     dev = "cuda" if cuda else "cpu"
     q_dtype = torch.float16 if cuda else torch.float32
-    interp = os.environ.get("TRITON_INTERPRET") == "1"
     quick = quick or not cuda
-    fused = triton is not None and (cuda or (interp and quick))
-    notes = [] if cuda else ["no GPU: the quick grid only"]
-    if not fused:
-        notes.append("the fused kernel needs a GPU (or TRITON_INTERPRET=1 with quick): "
-                     "torch reference only")
-    elif not cuda:
-        notes.append("fused kernel timed in Triton's CPU interpreter: correctness only, not speed")
-    if fused:
-        from ..kernels.triton import paged_attention_triton
+    fused = triton is not None and (cuda or (os.environ.get("TRITON_INTERPRET") == "1" and quick))
+    notes = _notes(cuda, fused)
     batches, contexts = GRIDS["quick" if quick else "full"]
     BS = block_size
     reps = reps or (20 if cuda else 2)
     flush = torch.empty(256 * 2**20, dtype=torch.int8, device=dev) if cuda else None
     gen = torch.Generator(dev).manual_seed(0)
     rows = []
-    for model, (Hq, H, D) in SHAPES.items():
+    for model, shape in SHAPES.items():
         for spec_s in specs:
             spec = KVSpec.parse(spec_s)
-            nb = max(batches) * -(-max(contexts) // BS)  # whole blocks: a block may pass ctx
-            k = _pool(spec.k, nb, H, BS, D, dev, gen)
-            v = _pool(spec.v, nb, H, BS, D, dev, gen)
+            H, D = shape[1], shape[2]
             per_tok = bytes_per_token(spec.k, H, D, BS) + bytes_per_token(spec.v, H, D, BS)
-            for B in batches:
-                for ctx in contexts:
-                    mb = -(-ctx // BS)
-                    ids = torch.randperm(nb, generator=gen, device=dev)[:B * mb].view(B, mb).int()
-                    q = torch.randn(B, Hq, D, generator=gen, device=dev).to(q_dtype)
-                    q_seq = torch.arange(B, device=dev)
-                    q_pos = torch.full((B,), ctx - 1, device=dev)
-                    ctx_lens = torch.full((B,), ctx, dtype=torch.int32, device=dev)
-                    a = (q, q_seq, q_pos, k, v, ids, ctx_lens, D**-0.5)
-                    row = {"model": model, "kv": str(spec), "batch": B, "context": ctx,
-                           "bytes": per_tok * B * ctx}
-                    try:
-                        row["ref_ms"] = _time_ms(partial(paged_attention_ref, *a), reps, flush)
-                        o_ref = paged_attention_ref(*a)[0]
-                    except torch.cuda.OutOfMemoryError:
-                        row["ref_ms"] = None
-                        o_ref = None
-                        torch.cuda.empty_cache()
-                    if fused:
-                        fused_call = partial(paged_attention_triton, *a)
-                        row["fused_ms"] = _time_ms(fused_call, reps, flush)
-                        row["fused_GBps"] = row["bytes"] / row["fused_ms"] / 1e6
-                        if o_ref is not None:
-                            err = (paged_attention_triton(*a)[0] - o_ref).abs().max()
-                            row["max_err"] = err.item()
-                    if row["ref_ms"]:
-                        row["ref_GBps"] = row["bytes"] / row["ref_ms"] / 1e6
-                    rows.append(row)
-                    _print_row(row, header=len(rows) == 1)
+            for B, ctx, a in _points(spec, shape, (batches, contexts), BS, q_dtype, gen):
+                row = {"model": model, "kv": str(spec), "batch": B, "context": ctx,
+                       "bytes": per_tok * B * ctx}
+                rows.append(_time_point(row, a, reps, flush, fused))
+                _print_row(row, header=len(rows) == 1)
     result = {"benchmark": "kernel", "device": torch.cuda.get_device_name() if cuda else "cpu",
               "torch": torch.__version__, "triton": getattr(triton, "__version__", None),
               "q_dtype": str(q_dtype), "block_size": BS, "reps": reps, "fused_kernel": fused,
@@ -184,6 +150,61 @@ def bench_kernel(specs: list[str], block_size: int = 16, reps: int | None = None
         write_text(out, json.dumps(result, indent=1), make_folders=True)
         print(f"[bench kernel] saved {out}")
     return result
+
+
+def _points(spec: KVSpec, shape: tuple[int, int, int], grid: tuple[list[int], list[int]],
+            BS: int, q_dtype: torch.dtype, gen: torch.Generator):
+    """(batch, context, attention arguments) at each point of the grid for one spec and model
+    shape (query heads, KV heads, head_dim): one pool per spec, each sequence's blocks drawn from
+    it in shuffled order."""
+    Hq, H, D = shape
+    batches, contexts = grid
+    dev = gen.device
+    nb = max(batches) * -(-max(contexts) // BS)  # whole blocks: a block may pass ctx
+    k = _pool(spec.k, nb, H, BS, D, dev, gen)  # (nb, H, BS, D) codes and their scales
+    v = _pool(spec.v, nb, H, BS, D, dev, gen)
+    for B in batches:
+        for ctx in contexts:
+            mb = -(-ctx // BS)
+            ids = torch.randperm(nb, generator=gen, device=dev)[:B * mb].view(B, mb).int()
+            q = torch.randn(B, Hq, D, generator=gen, device=dev).to(q_dtype)  # (B, Hq, D)
+            q_seq = torch.arange(B, device=dev)
+            q_pos = torch.full((B,), ctx - 1, device=dev)
+            ctx_lens = torch.full((B,), ctx, dtype=torch.int32, device=dev)
+            yield B, ctx, (q, q_seq, q_pos, k, v, ids, ctx_lens, D**-0.5)
+
+
+def _notes(cuda: bool, fused: bool) -> list[str]:
+    """What the reader must know about where and how the kernels ran."""
+    notes = [] if cuda else ["no GPU: the quick grid only"]
+    if not fused:
+        notes.append("the fused kernel needs a GPU (or TRITON_INTERPRET=1 with quick): "
+                     "torch reference only")
+    elif not cuda:
+        notes.append("fused kernel timed in Triton's CPU interpreter: correctness only, not speed")
+    return notes
+
+
+def _time_point(row: dict, a: tuple, reps: int, flush, fused: bool) -> dict:
+    """The reference's time at one point and, where it runs, the fused kernel's, its bandwidth
+    and its largest difference from the reference, added to `row`."""
+    try:
+        row["ref_ms"] = _time_ms(partial(paged_attention_ref, *a), reps, flush)
+        o_ref = paged_attention_ref(*a)[0]
+    except torch.cuda.OutOfMemoryError:
+        row["ref_ms"] = None
+        o_ref = None
+        torch.cuda.empty_cache()
+    if fused:
+        from ..kernels.triton import paged_attention_triton
+
+        row["fused_ms"] = _time_ms(partial(paged_attention_triton, *a), reps, flush)
+        row["fused_GBps"] = row["bytes"] / row["fused_ms"] / 1e6
+        if o_ref is not None:
+            row["max_err"] = (paged_attention_triton(*a)[0] - o_ref).abs().max().item()
+    if row["ref_ms"]:
+        row["ref_GBps"] = row["bytes"] / row["ref_ms"] / 1e6
+    return row
 
 
 _BENCH_COLUMNS = [("model", 13, "{}"), ("kv", 6, "{}"), ("batch", 5, "{}"), ("context", 7, "{}"),
