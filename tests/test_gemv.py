@@ -70,13 +70,13 @@ def test_the_model_decodes_through_the_gemv(small_model, monkeypatch):
     real = gemv.gemv
     monkeypatch.setattr(gemv, "gemv", lambda x, w: calls.append(x.shape[0]) or real(x, w))
     tokens = torch.tensor([[5, 6, 7]])
-    small_model.use_linear(F.linear)
+    small_model.use_kernels(F.linear)
     want = small_model(tokens)
-    small_model.use_linear(gemv.linear_cpu)
+    small_model.use_kernels(gemv.linear_cpu, gemv.rms_norm_cpu)
     try:
         got = small_model(tokens)
     finally:
-        small_model.use_linear(F.linear)
+        small_model.use_kernels(F.linear)
     # 2 layers x 4 products + the head, each over the 3 rows of the prompt
     assert calls == [3] * (2 * 4 + 1)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
@@ -86,12 +86,46 @@ def test_from_pretrained_chooses_the_gemv_on_the_cpu(smollm2_dir):
     model = Transformer.from_pretrained(smollm2_dir, device="cpu", dtype=torch.float32)
     assert model.layers[0].attn.wqkv.product is gemv.linear_cpu
     assert model.lm_head.product is gemv.linear_cpu
+    assert model.layers[0].norm1.normalize is gemv.rms_norm_cpu
+    assert model.norm.normalize is gemv.rms_norm_cpu
+
+
+@pytest.mark.parametrize("shape", [(1, 576), (3, 200), (2, 5, 64)])
+def test_rms_norm_cpu_within_its_float32_bound(shape):
+    """One pass per row against float64: the sum of D squares carries at most gamma_(D+1) of
+    relative error, halved by the square root; the mean, eps, root, reciprocal and two products
+    add one rounding each (6u), and the output's own rounding one more."""
+    gen = torch.Generator().manual_seed(len(shape))
+    d = shape[-1]
+    x = 3 * torch.randn(shape, generator=gen)
+    w = torch.randn(d, generator=gen)
+    eps = 1e-5
+    y = gemv.rms_norm_cpu(x, [d], w, eps)
+    assert y.shape == x.shape and y.dtype == torch.float32
+    xd = x.double()
+    exact = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps) * w.double()
+    gamma = (d + 1) * U32 / (1 - (d + 1) * U32)
+    limit = (gamma / 2 + 7 * U32) * exact.abs()
+    assert bool(((y.double() - exact).abs() <= limit).all())
+    torch.testing.assert_close(y, F.rms_norm(x, [d], w, eps), rtol=2 * limit.max().item(), atol=0)
+
+
+def test_rms_norm_cpu_leaves_other_inputs_to_torch(monkeypatch):
+    calls = []
+    monkeypatch.setattr(gemv, "_rms_norm_rows", lambda *a: calls.append(a))
+    x, w = torch.randn(2, 8), torch.randn(8)
+    for args in [(x.bfloat16(), [8], w.bfloat16(), 1e-5), (x.t().contiguous().t(), [8], w, 1e-5),
+                 (x, [8], None, 1e-5), (x, [8], w, None), (x.view(2, 2, 4), [2, 4], w.view(2, 4),
+                                                          1e-5)]:
+        torch.testing.assert_close(gemv.rms_norm_cpu(*args), F.rms_norm(*args))
+    assert calls == []
 
 
 def test_avx2_only_cpus(tmp_path):
-    """The bound test again, the kernels compiled for a Haswell (AVX2, no AVX-512)."""
+    """The bound tests again, the kernels compiled for a Haswell (AVX2, no AVX-512)."""
     env = dict(os.environ, NUMBA_CPU_NAME="haswell", NUMBA_CACHE_DIR=str(tmp_path))
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                          f"{__file__}::test_linear_cpu_within_the_float32_bound"],
+                          f"{__file__}::test_linear_cpu_within_the_float32_bound",
+                          f"{__file__}::test_rms_norm_cpu_within_its_float32_bound"],
                          env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-2000:]  # 5 when no test ran, 1 when one failed

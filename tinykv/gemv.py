@@ -1,4 +1,5 @@
-"""Decode-time linear layers on the CPU: y = x W^T + b for a few rows of x, reading W once.
+"""Decode-time linear layers on the CPU: y = x W^T + b for a few rows of x, reading W once; and
+the RMSNorm those layers read their rows from, in one pass.
 
 A decode step multiplies one activation row per sequence by every weight matrix of the model, so
 its linear layers are matrix-vector products bound by the bytes of W, not by arithmetic. Torch's
@@ -12,6 +13,10 @@ where a matmul is bound by arithmetic, stay with torch (`SMALL_BATCH`).
 attention kernels: `linear_cpu` where numba is installed and the weights are on the CPU, else
 `F.linear`. Weights may be float32, bfloat16 or float16: half weights travel as integer bits and
 are widened in registers (numba has no float16 on the CPU), accumulation is float32 either way.
+
+`select_rms_norm(device)` likewise: torch's RMSNorm on the CPU is several small operations, each
+with a fixed cost; a decode step runs two per layer on a single row, where that cost is all there
+is. `rms_norm_cpu` is one pass over each row (float32 rows; anything else goes to torch).
 """
 
 from __future__ import annotations
@@ -116,6 +121,17 @@ if AVAILABLE:
         for block in prange(-(-w.shape[0] // ROWS)):  # threads split the output rows
             _block(x, w, y, block)
 
+    @njit(fastmath=_FASTMATH, cache=True)
+    def _rms_norm_rows(x, weight, eps, out):
+        """out (B, D) = x / sqrt(mean(x^2) + eps) * weight, row by row, in float32."""
+        for b in range(x.shape[0]):
+            squares = np.float32(0.0)
+            for c in range(x.shape[1]):
+                squares += x[b, c] * x[b, c]
+            inv = np.float32(1.0) / np.sqrt(squares / np.float32(x.shape[1]) + eps)
+            for c in range(x.shape[1]):
+                out[b, c] = x[b, c] * inv * weight[c]
+
 
 def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x (B, K) float32 @ weight (N, K)^T -> (B, N) float32, by the numba kernel, on torch's
@@ -149,7 +165,7 @@ def linear_cpu(x: torch.Tensor, weight: torch.Tensor,
     matmul otherwise."""
     if not fits(x, weight):
         return F.linear(x, weight, bias)
-    flat = x.reshape(-1, x.shape[-1])  # (B, K)
+    flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # (B, K); a decode step's already
     if flat.dtype != torch.float32 or not flat.is_contiguous():
         flat = flat.to(torch.float32).contiguous()
     y = gemv(flat, weight)  # (B, N) float32
@@ -157,7 +173,20 @@ def linear_cpu(x: torch.Tensor, weight: torch.Tensor,
         y += bias
     if x.dtype != torch.float32:
         y = y.to(x.dtype)
-    return y.view(*x.shape[:-1], weight.shape[0])
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], weight.shape[0])
+
+
+def rms_norm_cpu(x: torch.Tensor, normalized_shape: list[int], weight: torch.Tensor | None = None,
+                 eps: float | None = None) -> torch.Tensor:
+    """F.rms_norm's contract over the last dim: one pass per row for contiguous float32 rows with
+    a weight and an eps, F.rms_norm otherwise."""
+    if (weight is None or eps is None or x.dtype != torch.float32 or len(normalized_shape) != 1
+            or weight.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous()):
+        return F.rms_norm(x, normalized_shape, weight, eps)
+    flat = x.view(-1, x.shape[-1])  # (B, D)
+    out = np.empty(flat.shape, np.float32)  # (B, D)
+    _rms_norm_rows(flat.numpy(), weight.detach().numpy(), np.float32(eps), out)
+    return torch.from_numpy(out).view(x.shape)
 
 
 def select_linear(device: torch.device | str) -> LinearFn:
@@ -165,3 +194,10 @@ def select_linear(device: torch.device | str) -> LinearFn:
     if torch.device(device).type == "cpu" and AVAILABLE:
         return linear_cpu
     return F.linear
+
+
+def select_rms_norm(device: torch.device | str) -> Callable:
+    """The RMSNorm layers' function (F.rms_norm's contract) for a model on `device`."""
+    if torch.device(device).type == "cpu" and AVAILABLE:
+        return rms_norm_cpu
+    return F.rms_norm

@@ -28,6 +28,7 @@ from .modelfiles import Fields
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2")
 GPT2_FAMILY = ("gpt2", "gpt_bigcode")
+GATE_UP = ("gate", "up")  # the Llama MLP's two input projections, fused into one (MLP.forward)
 
 
 class ModelError(RuntimeError):
@@ -162,11 +163,18 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Linear(nn.Linear):
-    """nn.Linear through the product chosen when the model loads (`Transformer.use_linear`):
+    """nn.Linear through the product chosen when the model loads (`Transformer.use_kernels`):
     F.linear, or on the CPU gemv.linear_cpu, which reads the weights at memory speed in decode."""
     product: Callable = staticmethod(F.linear)  # (x, weight, bias) -> y: F.linear's contract
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.product(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.RMSNorm):
+    """nn.RMSNorm through the function chosen with the products (on the CPU gemv.rms_norm_cpu)."""
+    normalize: Callable = staticmethod(F.rms_norm)  # F.rms_norm's contract
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.normalize(x, self.normalized_shape, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -182,8 +190,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
                 plan: KVStep | None = None) -> torch.Tensor:
         """x (B, T, dim), or (N, dim) packed with a plan -> the same shape."""
-        cfg = self.cfg
-        lead = x.shape[:-1]
+        cfg, lead = self.cfg, x.shape[:-1]
         qk, v = self.wqkv(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         # (..., n_heads + n_kv_heads, hd): q and k rotate in one go
         qk = qk.unflatten(-1, (cfg.n_heads + cfg.n_kv_heads, cfg.head_dim))
@@ -205,8 +212,7 @@ class MLP(nn.Module):
 
     def __init__(self, cfg: Config):
         super().__init__()
-        self.gpt2_style = cfg.gpt2_style
-        self.gelu = "tanh" if cfg.gelu_tanh else "none"
+        self.gpt2_style, self.gelu = cfg.gpt2_style, "tanh" if cfg.gelu_tanh else "none"
         n_in = cfg.ffn_dim if cfg.gpt2_style else 2 * cfg.ffn_dim  # llama: gate and up fused
         self.w_in = Linear(cfg.dim, n_in, bias=cfg.mlp_bias)
         self.w_out = Linear(cfg.ffn_dim, cfg.dim, bias=cfg.mlp_bias)
@@ -221,7 +227,7 @@ class MLP(nn.Module):
 
 def make_norm(cfg: Config) -> nn.Module:
     """LayerNorm for the GPT-2 family, RMSNorm for the Llama family."""
-    norm = nn.LayerNorm if cfg.gpt2_style else nn.RMSNorm
+    norm = nn.LayerNorm if cfg.gpt2_style else RMSNorm
     return norm(cfg.dim, eps=cfg.norm_eps)
 
 
@@ -257,11 +263,13 @@ class Transformer(nn.Module):
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
 
-    def use_linear(self, product: Callable) -> None:
-        """Every linear layer multiplies through `product` (F.linear's contract) from now on."""
+    def use_kernels(self, product: Callable, rms_norm: Callable = F.rms_norm) -> None:
+        """Linear layers multiply through `product`, RMSNorms through `rms_norm`, from now on."""
         for m in self.modules():
             if isinstance(m, Linear):
                 m.product = product
+            elif isinstance(m, RMSNorm):
+                m.normalize = rms_norm
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, plan: KVStep | None = None) -> torch.Tensor:
@@ -320,8 +328,8 @@ class Transformer(nn.Module):
         if not cfg.gpt2_style:
             model.rope_cos, model.rope_sin = rope_tables(cfg)
         model = model.to(device=device, dtype=dtype).eval()
-        from .gemv import select_linear  # numba loads with a model, not with this module
-        model.use_linear(select_linear(device))  # chosen once, like the attention kernels
+        from .gemv import select_linear, select_rms_norm  # numba loads with a model, not here
+        model.use_kernels(select_linear(device), select_rms_norm(device))  # chosen once
         return model
 
 
@@ -352,8 +360,7 @@ def convert_hf_state_dict(cfg: Config, hf: dict[str, torch.Tensor]) -> dict[str,
 
 
 def _gpt2_tensors(cfg: Config, get: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
-    # gpt2 stores Conv1D weights (in, out); gpt_bigcode uses nn.Linear's (out, in)
-    conv1d = cfg.model_type == "gpt2"
+    conv1d = cfg.model_type == "gpt2"  # Conv1D weights (in, out); gpt_bigcode's are (out, in)
     sd = {"embed.weight": get("wte.weight"), "pos_embed.weight": get("wpe.weight"),
           "norm.weight": get("ln_f.weight"), "norm.bias": get("ln_f.bias")}
     pairs = {"norm1": "ln_1", "norm2": "ln_2", "attn.wqkv": "attn.c_attn",
@@ -385,12 +392,9 @@ def _llama_tensors(cfg: Config, get: Callable[[str], torch.Tensor]) -> dict[str,
         if cfg.o_bias:
             sd[dst + "attn.wo.bias"] = get(attn + "o_proj.bias")
         mlp = src + "mlp."
-        # gate and up fused into one matmul (MLP.forward splits them)
-        gate_up = [get(mlp + "gate_proj.weight"), get(mlp + "up_proj.weight")]
-        sd[dst + "mlp.w_in.weight"] = torch.cat(gate_up)
+        sd[dst + "mlp.w_in.weight"] = torch.cat([get(mlp + f"{n}_proj.weight") for n in GATE_UP])
         sd[dst + "mlp.w_out.weight"] = get(mlp + "down_proj.weight")
         if cfg.mlp_bias:
-            gate_up_bias = [get(mlp + "gate_proj.bias"), get(mlp + "up_proj.bias")]
-            sd[dst + "mlp.w_in.bias"] = torch.cat(gate_up_bias)
+            sd[dst + "mlp.w_in.bias"] = torch.cat([get(mlp + f"{n}_proj.bias") for n in GATE_UP])
             sd[dst + "mlp.w_out.bias"] = get(mlp + "down_proj.bias")
     return sd
