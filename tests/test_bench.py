@@ -139,11 +139,12 @@ def test_profile_splits_a_decode_step(tiny):
 
     from tinykv.bench import profile as bp
     from tinykv.cache import PagedKVCache
-    from tinykv.model import Linear
+    from tinykv.model import Linear, RMSNorm
     from tinykv.pools import KVPools
 
     _, hf, model = tiny
-    before = (F.linear, Linear.forward, KVPools.write, PagedKVCache.attend)
+    before = (F.linear, Linear.forward, RMSNorm.forward, torch.nn.LayerNorm.forward, KVPools.write,
+              PagedKVCache.attend)
     r = bp.profile_tinykv(model, ids(20), "int8", 4)
     parts = [r[k] for k in bp.PARTS]
     assert all(ms > 0 for ms in parts) and sum(parts) < r["ms_per_token"]
@@ -151,7 +152,8 @@ def test_profile_splits_a_decode_step(tiny):
     r = bp.profile_hf(hf, ids(20), 4)
     assert "cache.write" not in r and 0 < r["linear"] < r["ms_per_token"]
     assert math.isclose(r["linear"] + r["rest"], r["ms_per_token"], rel_tol=1e-9)
-    assert (F.linear, Linear.forward, KVPools.write, PagedKVCache.attend) == before
+    assert (F.linear, Linear.forward, RMSNorm.forward, torch.nn.LayerNorm.forward, KVPools.write,
+            PagedKVCache.attend) == before
     alone = bp.linear_alone(model, reps=1)
     assert [r["path"] for r in alone] == ["F.linear", "model (linear_cpu)"]
     assert all(r["ms"] > 0 and r["products"] == 2 * 4 + 1 for r in alone)

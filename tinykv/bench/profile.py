@@ -1,8 +1,8 @@
 """`python -m tinykv bench profile`: where a decode step's time goes, tinykv beside transformers.
 
 Wall time per decoded token (batch 1, greedy, after a prompt of --prompt tokens) split into the
-linear layers (every `model.Linear`, where the weights are read once per token), the cache's
-`write` (quantize on store) and `attend`, and the rest (norms, RoPE, residuals, sampling, Python);
+linear layers (every `model.Linear`, where the weights are read once per token), the norms, the
+cache's `write` (quantize on store) and `attend`, and the rest (RoPE, residuals, sampling, Python);
 transformers' step into its linear layers (F.linear) and the rest, from its first new token to its
 last. Timers wrap those functions for the run only.
 
@@ -19,14 +19,16 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 from ..cache import PagedKVCache, make_cache
 from ..generate import Engine, Sampling
-from ..model import Linear, Transformer
+from ..model import Linear, RMSNorm, Transformer
 from ..pools import KVPools
 
-PARTS = ["linear", "cache.write", "cache.attend"]
+PARTS = ["linear", "norms", "cache.write", "cache.attend"]
+NORMS = (RMSNorm, nn.LayerNorm)  # the Llama family's and the GPT-2 family's
 
 
 @contextmanager
@@ -60,6 +62,8 @@ def profile_tinykv(model: Transformer, prompt: list[int], kv: str, n_new: int) -
     acc: Counter = Counter()
     with ExitStack() as stack:
         stack.enter_context(timing(Linear, "forward", acc, "linear"))  # every linear layer
+        for norm in NORMS:
+            stack.enter_context(timing(norm, "forward", acc, "norms"))
         stack.enter_context(timing(KVPools, "write", acc, "cache.write"))
         stack.enter_context(timing(PagedKVCache, "attend", acc, "cache.attend"))
         t0, steps = time.perf_counter(), 0
