@@ -42,7 +42,7 @@ def test_linear_cpu_within_the_float32_bound(dtype, rows, threads):
     if dtype == torch.float16 and not gemv.F16C:
         pytest.skip("float16 weights need F16C for the GEMV")
     gen = torch.Generator().manual_seed(rows)
-    n, k = 4 * 9 + 3, 200  # output rows not a multiple of ROWS: the tail path runs too
+    n, k = gemv.ROWS * 5 + 3, 200  # output rows not a multiple of ROWS: the tail path runs too
     w = torch.randn(n, k, generator=gen).to(dtype)
     x = torch.randn(2, rows, k, generator=gen).to(dtype)  # (2, rows, K): leading dims kept
     bias = torch.randn(n, generator=gen).to(dtype)
