@@ -157,9 +157,8 @@ def rope_tables(cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x (..., n, hd); cos/sin broadcastable (..., 1, hd), in x's dtype. With rope_tables' signed
-    # sin this is x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x2, x1), the Llama
-    # convention: three ops (a decode step's small ops each cost a fixed time).
+    # x (..., n, hd); cos/sin (..., 1, hd) in x's dtype. With rope_tables' signed sin: x * cos +
+    # rotate_half(x) * sin, rotate_half(x) = cat(-x2, x1) (Llama), in three ops (each a fixed cost).
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin)
 
 
