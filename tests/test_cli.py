@@ -653,6 +653,19 @@ def test_batch_files_split_on_newlines_only(files: dict[str, str], tmp_path: Pat
     assert [r["prompt_ids"] for r in out["results"]] == [[1, 2, 3], [4, 5], [6]]
 
 
+def test_text_line_endings_are_not_content(tmp_path: Path) -> None:
+    """A text saved with CRLF (as WikiText-2's raw file is) or CR reads as the LF text, so it
+    tokenizes and measures the same; a BOM goes, U+2028 and a form feed stay."""
+    from tinykv.cli.inputs import read_text
+
+    body = "first line\u2028same line\x0c\nsecond\n\nthird"
+    (tmp_path / "lf.txt").write_bytes(body.encode())
+    (tmp_path / "crlf.txt").write_bytes(b"\xef\xbb\xbf" + body.replace("\n", "\r\n").encode())
+    (tmp_path / "cr.txt").write_bytes(body.replace("\n", "\r").encode())
+    texts = [read_text(str(tmp_path / f"{name}.txt"), "--text") for name in ("lf", "crlf", "cr")]
+    assert texts == [body, body, body]
+
+
 @pytest.mark.parametrize("name", ["-", "/dev/stdin"])
 def test_prompt_from_stdin(files: dict[str, str], tmp_path: Path, name: str) -> None:
     work, _ = prepare(tmp_path)

@@ -149,8 +149,8 @@ def check_folder(path: str, flag: str) -> None:
 
 
 def read_text(path: str | None, what: str) -> str:
-    """A UTF-8 text file (a leading byte order mark dropped); '-' is stdin, and so is any other
-    file that is not a folder (/dev/stdin, a pipe)."""
+    """A UTF-8 text file (a leading byte order mark dropped, line endings read as \n); '-' is
+    stdin, and so is any other file that is not a folder (/dev/stdin, a pipe)."""
     if path is None:
         raise UsageError(f"{what}: give --text FILE")
     if path == "-":
@@ -170,6 +170,9 @@ def read_text(path: str | None, what: str) -> str:
     except UnicodeDecodeError as e:
         raise UsageError(f"{what}: {path} is not UTF-8 text (byte 0x{data[e.start]:02x} at "
                          f"offset {e.start})") from None
+    # line endings are not content: CRLF and CR read as \n, as Python's text mode reads them, so
+    # a text tokenizes (and measures) the same whichever system saved it; U+2028 stays text
+    text = text.replace("\r\n", "\n").replace("\r", "\n")
     return text.removeprefix("\ufeff")
 
 
