@@ -11,12 +11,13 @@ from test_cache import tiny
 from test_evaluate import ppl, sample_text, sharp_tiny
 
 from tinykv.cache import make_cache
-from tinykv.calibrate import calibrate, export_vllm, observe, parse_observer, record
+from tinykv.calibrate import calibrate, observe, parse_observer, record
 from tinykv.evaluate import perplexity
 from tinykv.plots import plot_channels
 from tinykv.quant import quantize
 from tinykv.scalefile import FORMAT, CalibrationError, fingerprint, load_scales, save_scales
 from tinykv.spec import KVSpec, QuantParams
+from tinykv.vllm_export import export_vllm
 
 # Axes of (L, H, T, D) reduced per scale group, with keepdims.
 AXES = {"tensor": (1, 2, 3), "head": (2, 3), "channel": (2,)}

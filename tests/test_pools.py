@@ -8,10 +8,11 @@ from test_offload import generate
 
 from tinykv.blocks import CacheError
 from tinykv.cache import make_cache
-from tinykv.calibrate import calibrate, export_vllm, record
+from tinykv.calibrate import calibrate, record
 from tinykv.quant import compute_scales, dequantize, quantize, rotation_matrix
 from tinykv.scalefile import CalibrationError
 from tinykv.spec import KVSpec, SpecError
+from tinykv.vllm_export import export_vllm
 
 
 @pytest.mark.parametrize("n", [16, 64, 80, 128])

@@ -9,10 +9,11 @@ from safetensors.torch import load_file, save_file
 from test_cache import run_cached, tiny
 
 from tinykv.cache import make_cache
-from tinykv.calibrate import calibrate, export_vllm, record, smooth_maps, stored_attention
+from tinykv.calibrate import calibrate, record, smooth_maps, stored_attention
 from tinykv.quant import compute_scales, dequantize, layer_transforms, quantize, rotation_matrix
 from tinykv.scalefile import CalibrationError, load_scales, save_scales
 from tinykv.spec import KVSpec, SpecError
+from tinykv.vllm_export import export_vllm
 
 
 def anisotropic(n: int, d: int, seed: int, decay: float) -> torch.Tensor:

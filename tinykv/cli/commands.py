@@ -251,9 +251,10 @@ def cmd_fetch(args) -> None:
 
 
 def cmd_calibrate(args) -> None:
-    from ..calibrate import calibrate_to_file, check_request, vllm_scheme_path
+    from ..calibrate import calibrate_to_file, check_request
     from ..evaluate import tokens_of
     from ..scalefile import TextSpan
+    from ..vllm_export import vllm_scheme_path
 
     if args.bits is not None:
         return cmd_calibrate_bits(args)
