@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ..spec import QuantParams
-from .cpu_args import as_index, pool_arrays, readable
+from .cpu_args import PoolArrays, as_index, pool_arrays, readable
 from .cpu_numerics import AVAILABLE, REASON, njit, numba
 from .cpu_plain import attention_kernel
 from .cpu_store import quantize_store_cpu, store_args, store_rows  # noqa: F401 (the store)
@@ -29,6 +29,8 @@ from .layout import PoolLayer
 from .reference import Partial, paged_attention_ref
 
 CHUNK_MAX = 4
+# the kernels take a pool's arrays as a plain tuple in PoolArrays' order
+_GROUP_SIZE = PoolArrays._fields.index("group_size")
 
 
 class _Step:
@@ -119,10 +121,11 @@ class CpuKernels:
         kf, k_arrays = self._pool(k, H, BS, D)
         vf, v_arrays = self._pool(v, H, BS, D)
         call = None
-        if readable(kf, k_arrays[7]) and readable(vf, v_arrays[7]):
-            R, v_groups = Hq // H, D // v_arrays[7]
-            if self.vector and takes(kf, vf, R, D, BS, D // k_arrays[7]):
-                kernels = vector_kernel(kf, vf, R, D, D // k_arrays[7], v_groups)
+        k_group, v_group = k_arrays[_GROUP_SIZE], v_arrays[_GROUP_SIZE]  # channels per scale
+        if readable(kf, k_group) and readable(vf, v_group):
+            R, k_groups, v_groups = Hq // H, D // k_group, D // v_group
+            if self.vector and takes(kf, vf, R, D, BS, k_groups):
+                kernels = vector_kernel(kf, vf, R, D, k_groups, v_groups)
             else:
                 kernels = attention_kernel(kf, vf)
             call = (*kernels, k_arrays, v_arrays, H, BS)
