@@ -108,10 +108,11 @@ def test_attention_matches_reference_and_float64(kspec, vspec, n_rep, D, BS, thr
     f64 = attention_f64(q, q_seq, q_pos, k, v, table, ctx, sm)
     bound = rounding_bound(q, q_seq, q_pos, k, v, table, ctx, sm)
     assert torch.isinf(f64[1][-1]).all() and f64[1][:-1].isfinite().all()  # the last sees no key
+    kernels = kernels_cpu.CpuKernels(threads_min_reads=0)  # threads however small the call
     before = with_threads(threads)
     try:
         for splits in (None, 1, 3):  # 3 splits: some empty (context 1), some holding only the hole
-            out = paged_attention_cpu(q, q_seq, q_pos, k, v, table, ctx, sm, splits)
+            out = kernels.attend(q, q_seq, q_pos, k, v, table, ctx, sm, splits)
             check(out, ref, f64, bound)
             assert (out[0][-1] == 0).all() and torch.isneginf(out[1][-1]).all()
     finally:
@@ -236,6 +237,32 @@ def test_kept_arguments_follow_the_tensors():
     assert torch.equal(edited[0], fresh[0]) and torch.equal(edited[1], fresh[1])
 
 
+def test_threads_only_where_the_reads_pay_for_them():
+    """With 2 threads, a call of fewer (key, KV head) reads than the kernels' threshold runs the
+    serial kernel; one of more runs the parallel one; both give the serial answer."""
+    if kernels_cpu.numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("numba's pool has one thread (it follows the CPUs this process may use)")
+    gen = torch.Generator().manual_seed(5)
+    k = make_pool("int8", 2, 16, 64, gen)
+    q, q_seq, q_pos, table, ctx = make_batch(16, 4, 64, gen)
+    reads = 2 * int(torch.minimum(q_pos + 1, ctx[q_seq].long()).sum())  # 2 KV heads
+    ran = []
+    alone = kernels_cpu.CpuKernels().attend(q, q_seq, q_pos, k, k, table, ctx, 0.125, 1)
+    before = with_threads(2)
+    try:
+        for threshold, want in ((reads + 1, "serial"), (reads, "parallel")):
+            kernels = kernels_cpu.CpuKernels(threads_min_reads=threshold)
+            serial, parallel, *rest = kernels._call(k, k, 4, 64)
+            kernels._calls[id(k), id(k), 4, 64] = (*kernels._calls[id(k), id(k), 4, 64][:2], (
+                lambda *a, f=serial: ran.append("serial") or f(*a),
+                lambda *a, f=parallel: ran.append("parallel") or f(*a), *rest))
+            out = kernels.attend(q, q_seq, q_pos, k, k, table, ctx, 0.125, 1)
+            assert ran.pop() == want and not ran
+            assert torch.equal(out[0], alone[0]) and torch.equal(out[1], alone[1])
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_attention_empty_and_layout_checks():
     gen = torch.Generator().manual_seed(0)
     k = make_pool("int8", 2, 16, 64, gen)
@@ -328,3 +355,4 @@ def test_quantize_store_checks_layouts():
         quantize_store_cpu(x, p, data.transpose(1, 2).contiguous().transpose(1, 2), scale, zero,
                            blk, off)
     assert quantize_store_cpu(x[:0], p, data, scale, zero, blk[:0], off[:0]) == 0
+

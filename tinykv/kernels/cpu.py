@@ -7,7 +7,8 @@ This file holds what a call costs beside the kernel itself, and how the work is 
   a step's metadata (query rows, positions, block tables, lengths) once per step, not per layer.
 - Work items are (query, KV head, split of its blocks). One thread takes them all in order with no
   split; several threads take equal runs of them, and a batch too small to share evenly splits
-  each query's blocks, merged by log-sum-exp. numba's threads follow torch's count (--threads).
+  each query's blocks, merged by log-sum-exp. numba's threads follow torch's count (--threads);
+  a call of few reads (a short context) stays on one thread, as starting them costs more.
 - Rows of more than CHUNK_MAX queries (prefill chunks) go to the reference, which reads a row once
   for all its queries; the kernel reads it once per query.
 """
@@ -29,6 +30,9 @@ from .layout import PoolLayer
 from .reference import Partial, paged_attention_ref
 
 CHUNK_MAX = 4
+# Starting numba's threads costs a call tens of microseconds; below this many (key, KV head)
+# reads a call is faster on one thread (bench kernel --cpu's fixed costs say how much).
+THREADS_MIN_READS = 4096
 # the kernels take a pool's arrays as a plain tuple in PoolArrays' order
 _GROUP_SIZE = PoolArrays._fields.index("group_size")
 
@@ -39,11 +43,14 @@ class _Step:
     def __init__(self, q_seq: torch.Tensor, q_pos: torch.Tensor, table: torch.Tensor,
                  ctx_lens: torch.Tensor):
         self.tensors = (q_seq, q_pos, table, ctx_lens)
-        self.versions = _versions(q_seq, q_pos, table, ctx_lens)  # in-place edits show here
+        self.versions = _versions(q_seq, q_pos, table, ctx_lens)
         self.q_seq = as_index(q_seq, np.int64)
         self.q_pos = as_index(q_pos, np.int64)
         self.table = as_index(table, np.int32)
         self.ctx_lens = as_index(ctx_lens, np.int64)
+        self.n_queries = len(self.q_seq)
+        visible = np.minimum(self.q_pos + 1, self.ctx_lens[self.q_seq])  # (N,) keys per query
+        self.key_reads = int(visible.sum())  # per KV head
         self.chunked = False  # a row of more than CHUNK_MAX queries: a prefill chunk
         if len(self.q_seq) > CHUNK_MAX:
             counts = np.bincount(self.q_seq, minlength=len(self.ctx_lens))  # queries per row
@@ -51,9 +58,10 @@ class _Step:
 
     def holds(self, q_seq, q_pos, table, ctx_lens) -> bool:
         mine = self.tensors
-        return (q_seq is mine[0] and q_pos is mine[1] and table is mine[2] and ctx_lens is mine[3]
+        return (table is mine[2] and q_seq is mine[0] and q_pos is mine[1] and ctx_lens is mine[3]
                 and self.versions is not None
-                and self.versions == _versions(q_seq, q_pos, table, ctx_lens))
+                and self.versions == (q_seq._version, q_pos._version, table._version,
+                                      ctx_lens._version))
 
 
 def _versions(*tensors: torch.Tensor) -> tuple | None:
@@ -70,23 +78,25 @@ class CpuKernels:
 
     STEPS = 4  # a step attends a store pool, a hot pool and staged chunks: tables per step
 
-    def __init__(self, vector: bool = True):
+    def __init__(self, vector: bool = True, threads_min_reads: int = THREADS_MIN_READS):
         assert AVAILABLE, REASON
         self.vector = vector  # the vector kernel where it takes the formats (else cpu_plain's)
+        self.threads_min_reads = threads_min_reads  # fewer (key, KV head) reads: one thread
         self._pools: dict[int, tuple] = {}  # id(pool) -> (weakref to pool, format, arrays)
         self._steps: list[_Step] = []
         self._calls: dict[tuple, tuple] = {}  # (id(k), id(v), Hq, D) -> refs and kernel call
         self._threads_set = 0  # torch's thread count numba was last set to follow
         self._slots: tuple = (None, None, None)  # the last store's (blk, off, versions, arrays)
+        self._scale = (None, None)  # the softmax scale, and as the kernels take it
 
     def attend(self, q: torch.Tensor, q_seq: torch.Tensor, q_pos: torch.Tensor, k: PoolLayer,
                v: PoolLayer, block_table: torch.Tensor, ctx_lens: torch.Tensor, sm_scale: float,
                num_splits: int | None = None) -> Partial:
         """paged_attention_ref, fused. num_splits: shares of each query's blocks (default: one
         for a single thread, else enough items to keep every thread busy)."""
-        N, Hq, D = q.shape
         step = self._step(q_seq, q_pos, block_table, ctx_lens)
-        if step.chunked or q_seq.shape != (N,):
+        N, Hq, D = q.shape
+        if step.chunked or step.n_queries != N or q_seq.dim() != 1:
             return self._with_chunks(q, q_seq, q_pos, k, v, block_table, ctx_lens, sm_scale,
                                      num_splits)
         call = self._call(k, v, Hq, D)
@@ -94,13 +104,21 @@ class CpuKernels:
             return paged_attention_ref(q, q_seq, q_pos, k, v, block_table, ctx_lens, sm_scale)
         serial, parallel, k_arrays, v_arrays, H, BS = call
         threads = self._threads()
+        if step.key_reads * H < self.threads_min_reads:  # starting the threads costs more
+            threads = 1
         if num_splits is None:
             num_splits = 1 if threads == 1 or (N * H) % threads == 0 or N * H >= 8 * threads \
                 else threads
         o = np.empty((num_splits, N, Hq, D), np.float32)
         lse = np.empty((num_splits, N, Hq), np.float32)
-        args = (q.float().contiguous().numpy(), step.q_seq, step.q_pos, step.table,
-                step.ctx_lens, k_arrays, v_arrays, H, BS, np.float32(sm_scale), o, lse)
+        if q.dtype is torch.float32 and q.is_contiguous():
+            q_rows = q.numpy()  # (N, Hq, D), a view
+        else:
+            q_rows = q.float().contiguous().numpy()
+        if sm_scale != self._scale[0]:  # one cache, one scale: converted once
+            self._scale = (sm_scale, np.float32(sm_scale))
+        args = (q_rows, step.q_seq, step.q_pos, step.table, step.ctx_lens, k_arrays, v_arrays,
+                H, BS, self._scale[1], o, lse)
         if threads == 1:
             serial(0, num_splits * N * H, *args)
         else:
