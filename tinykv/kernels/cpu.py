@@ -169,10 +169,10 @@ class CpuKernels:
             known = (weakref.ref(data), (p, scale, zero), args)
             self._pools[id(data)] = known
         last = self._slots
-        versions = _versions(blk, off)
-        if not (last[0] is blk and last[1] is off and versions is not None
-                and last[2] == versions):
-            last = (blk, off, versions, as_index(blk, np.int64), as_index(off, np.int64))
+        if not (last[0] is blk and last[1] is off and last[2] is not None
+                and last[2] == (blk._version, off._version)):
+            last = (blk, off, _versions(blk, off), as_index(blk, np.int64),
+                    as_index(off, np.int64))
             self._slots = last
         assert last[3].shape == last[4].shape == (x.shape[0],), "x, blk, off disagree"
         return store_rows(x, last[3], last[4], known[2])

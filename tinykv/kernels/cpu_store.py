@@ -144,5 +144,6 @@ def store_rows(x: torch.Tensor, blk: np.ndarray, off: np.ndarray, args: StoreArg
     assert x.device.type == "cpu", "the CPU store takes CPU tensors"
     if x.shape[0] == 0:
         return 0
-    return int(_store_kernel(x.float().contiguous().numpy(), blk, off, args.fmt, args.arrays,
+    rows = x.numpy() if x.dtype is torch.float32 else x.float().numpy()  # strided views stay so
+    return int(_store_kernel(rows, blk, off, args.fmt, args.arrays,
                              args.block_size, args.limits, args.dynamic))
