@@ -156,3 +156,14 @@ def test_evicting_specs_are_timed_against_the_full_cache():
     assert not any(k.startswith("fp16,evict") for k in row)  # its full cache was not timed
     assert rl.unevicted("int4:rot,residual=64,sink=4,evict=h2o:99") == "int4:rot,residual=64"
     assert rl.unevicted("int8") is None
+
+
+def test_decode_steps_taken_in_turn():
+    """The specs' timed steps alternate, so a slow moment of the machine falls on all of them."""
+    calls = []
+    steps_of = {name: (lambda name=name: calls.append(name)) for name in ("fp16", "int8")}
+    held_of = {"fp16": lambda: 2.0, "int8": lambda: 1.0}
+    got = rl._time_steps(steps_of, held_of, 3)
+    assert calls == ["fp16", "int8"] * 4  # one untimed round, then 3 timed
+    assert [len(got[n][0]) for n in ("fp16", "int8")] == [3, 3]
+    assert got["fp16"][1] == 2.0 and got["int8"][1] == 1.0

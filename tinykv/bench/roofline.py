@@ -5,8 +5,9 @@ For each torch thread count, in one run:
   over a large matrix;
 - attention: KV bytes one decode token reads (slots x bytes_per_token, all layers) over the time
   of `cache.attend` in every layer, batch 1, per spec and context;
-- decode: whole model decode steps at batch x context shapes, tinykv per spec beside transformers'
-  default and quanto int4 caches; % of roofline = (weight + KV bytes) / bandwidth / step time;
+- decode: whole model decode steps at batch x context shapes, tinykv per spec (the specs' steps
+  taken in turn, so their ratios come from the same moments) beside transformers' default and
+  quanto int4 caches; % of roofline = (weight + KV bytes) / bandwidth / step time;
   then as many steps again with timers on tinykv's parts (linear layers, attention, the store and
   the rest), for the breakdown chart (the timers cost a little, so the plain steps give tok/s).
 Caches are filled with synthetic keys and values, not a real prefill: decode speed does not
@@ -183,30 +184,37 @@ def _row(engine: str, kv: str, batch: int, context: int, measured: tuple, w_byte
 
 
 @torch.inference_mode()
-def decode_tinykv(model: Transformer, spec: str, batch: int, context: int, steps: int) -> tuple:
-    """Seconds of `steps` real decode steps (plan, model, commit; one more untimed first) of
-    `batch` sequences holding `context` synthetic tokens, then `steps` more with the parts timed
-    -> (times, mean KV bytes per step, the parts' ms per step)."""
-    gen = torch.Generator().manual_seed(batch * context)
+def decode_tinykv(model: Transformer, specs: list[str], batch: int, context: int,
+                  steps: int) -> dict:
+    """spec -> (step seconds, mean KV bytes per step, the parts' ms per step): `steps` real decode
+    steps (plan, model, commit; one more untimed first) of `batch` sequences holding `context`
+    synthetic tokens, the specs' steps taken in turn so that a slow moment of a shared machine
+    falls on all of them alike; then `steps` more per spec with the parts timed."""
     seq_ids = list(range(batch))
-    with make_cache(model.cfg, spec, tokens=batch * (context + 2 * steps + 1), max_seqs=batch,
-                    device="cpu", dtype=torch.float32) as cache:
-        fill(cache, seq_ids, context, gen)
-        tokens = torch.full((batch,), 5, dtype=torch.long)  # (B,)
+    tokens = torch.full((batch,), 5, dtype=torch.long)  # (B,)
+    with ExitStack() as stack:
+        caches = {}
+        for spec in specs:
+            gen = torch.Generator().manual_seed(batch * context)  # the same tokens for each
+            caches[spec] = stack.enter_context(make_cache(
+                model.cfg, spec, tokens=batch * (context + 2 * steps + 1), max_seqs=batch,
+                device="cpu", dtype=torch.float32))
+            fill(caches[spec], seq_ids, context, gen)
 
-        def step(_: int) -> None:
+        def step(cache: PagedKVCache) -> None:
             plan = cache.plan(seq_ids, [[5]] * batch)
             model(tokens, plan)
             cache.commit(plan)
 
-        def held() -> float:
+        def held(cache: PagedKVCache) -> float:
             return sum(cache.slots(s) for s in seq_ids) * cache.bytes_per_token
 
-        times, kv_bytes = _time_steps(step, held, steps)
-        return times, kv_bytes, _time_parts(step, steps)
+        times = _time_steps({s: partial(step, c) for s, c in caches.items()},
+                            {s: partial(held, c) for s, c in caches.items()}, steps)
+        return {s: (*times[s], _time_parts(partial(step, caches[s]), steps)) for s in specs}
 
 
-def _time_parts(step: Callable[[int], None], steps: int) -> dict:
+def _time_parts(step: Callable[[], None], steps: int) -> dict:
     """ms per step of the linear layers, attention, the store and the rest, over `steps` more
     steps with timers on (bench profile's)."""
     from .profile import timing
@@ -217,24 +225,29 @@ def _time_parts(step: Callable[[int], None], steps: int) -> dict:
         stack.enter_context(timing(PagedKVCache, "attend", acc, "attention"))
         stack.enter_context(timing(KVPools, "write", acc, "store"))
         t0 = time.perf_counter()
-        for i in range(steps):
-            step(steps + 1 + i)
+        for _ in range(steps):
+            step()
         total = time.perf_counter() - t0
     parts = {k: 1e3 * acc[k] / steps for k in PARTS[:3]}
     return parts | {"rest": 1e3 * total / steps - sum(parts.values())}
 
 
-def _time_steps(step: Callable[[int], None], held: Callable[[], float], steps: int) -> tuple:
-    """Seconds of step(i) for i = 1..steps after an untimed step(0) (JIT, allocator), and the
-    mean of held() (KV bytes in the cache) after each timed one."""
-    step(0)
-    times, kv_bytes = [], []
-    for i in range(1, steps + 1):
-        t0 = time.perf_counter()
-        step(i)
-        times.append(time.perf_counter() - t0)
-        kv_bytes.append(held())
-    return times, statistics.mean(kv_bytes)
+def _time_steps(steps_of: dict[str, Callable[[], None]], held_of: dict[str, Callable[[], float]],
+                steps: int) -> dict[str, tuple]:
+    """name -> (seconds of each of `steps` calls of steps_of[name], the mean of held_of[name]()
+    (KV bytes in the cache) after each), the names taken in turn every round, after one untimed
+    call each (JIT, allocator)."""
+    for step in steps_of.values():
+        step()
+    times = {name: [] for name in steps_of}
+    kv_bytes = {name: [] for name in steps_of}
+    for _ in range(steps):
+        for name, step in steps_of.items():
+            t0 = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - t0)
+            kv_bytes[name].append(held_of[name]())
+    return {name: (times[name], statistics.mean(kv_bytes[name])) for name in steps_of}
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
@@ -268,10 +281,12 @@ def decode_hf(hf, batch: int, context: int, steps: int, quantized: bool) -> tupl
     params = inspect.signature(hf.forward).parameters
     cache_kw = "cache" if "cache" in params else "past_key_values"
     ids = torch.full((batch, 1), 5, dtype=torch.long)  # (B, 1)
+    taken = [0]  # steps so far: the next token's position past the context
 
-    def step(i: int) -> None:
-        pos = torch.full((batch, 1), context + i, dtype=torch.long)  # (B, 1)
+    def step() -> None:
+        pos = torch.full((batch, 1), context + taken[0], dtype=torch.long)  # (B, 1)
         hf(input_ids=ids, position_ids=pos, use_cache=True, **{cache_kw: cache})
+        taken[0] += 1
 
     def held() -> float:
         out = 0
@@ -281,7 +296,7 @@ def decode_hf(hf, batch: int, context: int, steps: int, quantized: bool) -> tupl
                     out += tensor_bytes(getattr(lay, name))
         return out
 
-    return (*_time_steps(step, held, steps), None)
+    return (*_time_steps({"hf": step}, {"hf": held}, steps)["hf"], None)
 
 
 def ratios(rows: list[dict]) -> list[dict]:
@@ -347,10 +362,11 @@ def collect(model: Transformer, hf, mode: dict, specs: list[str], threads: list[
             # the decode steps (timed, then as many with timers) must fit in the model's context:
             # 8192 becomes 8192 - 2 * steps - 2
             ctx = min(ctx, model.cfg.max_seq_len - 2 * mode["steps"] - 2)
+            measured = decode_tinykv(model, specs, batch, ctx, mode["steps"])
             for spec in specs:
-                measured = decode_tinykv(model, spec, batch, ctx, mode["steps"])
-                decode.append(_row("tinykv", spec, batch, ctx, measured, w_bytes, bw["gb_s"]))
-                tick(f"{n} threads: decode {spec} {batch}x{ctx}")
+                decode.append(_row("tinykv", spec, batch, ctx, measured[spec], w_bytes,
+                                   bw["gb_s"]))
+            tick(f"{n} threads: decode {' '.join(specs)} {batch}x{ctx}, in turn")
             for kind, quantized in hf_kinds:
                 measured = decode_hf(hf, batch, ctx, mode["steps"], quantized)
                 decode.append(_row("transformers", kind, batch, ctx, measured, w_bytes,
