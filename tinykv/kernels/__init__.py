@@ -5,8 +5,9 @@ of reference.paged_attention_ref) and quantize-on-store (`store`, reference.quan
 
     layout.py        PoolLayer, StoredFormat and check_layout: what every kernel reads
     reference.py     the torch references: what every kernel computes (read these first)
-    cpu.py           the fused CPU attention kernel (numba); cpu_store.py its store;
-                     cpu_numerics.py their shared numerics and argument packing
+    cpu.py           the fused CPU kernels' entry (numba): CpuKernels; the attention kernel is
+                     cpu_plain.py (readable) or its vector twin cpu_vector.py, the store
+                     cpu_store.py (DESIGN.md lists the rest)
     triton.py        the fused GPU attention kernel; triton_store.py its store;
                      triton_aot.py their ahead-of-time compile for sm_80/sm_90
 
