@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from tinykv import gemv
-from tinykv.model import Transformer
+from tinykv.model import Transformer, apply_rope, fused_linear
 
 pytestmark = pytest.mark.skipif(not gemv.AVAILABLE, reason="numba is not installed")
 U32 = 2.0**-24
@@ -46,7 +46,7 @@ def test_linear_cpu_within_the_float32_bound(dtype, rows, threads):
     w = torch.randn(n, k, generator=gen).to(dtype)
     x = torch.randn(2, rows, k, generator=gen).to(dtype)  # (2, rows, K): leading dims kept
     bias = torch.randn(n, generator=gen).to(dtype)
-    y = gemv.linear_cpu(x, w, bias)
+    y = gemv.linear_cpu(x, w, bias, reference=fused_linear)
     assert y.shape == (2, rows, n) and y.dtype == dtype
     exact = x.double() @ w.double().T + bias.double()
     err = (y.double() - exact).abs()
@@ -55,6 +55,50 @@ def test_linear_cpu_within_the_float32_bound(dtype, rows, threads):
     # and as close to F.linear as two products within the bound can be
     ref = F.linear(x.float(), w.float(), bias.float()).double()
     assert bool(((y.double() - ref).abs() <= 2 * limit).all())
+
+
+@pytest.mark.parametrize("swiglu", [False, True], ids=["plain", "swiglu"])
+def test_fused_linear_within_the_float32_bound(swiglu, threads):
+    """Norm, product, SwiGLU and residual in one call against float64 from the same normalized
+    rows: the product's bound, carried through silu(g) * u (|silu'| < 1.1), plus the roundings
+    of silu, the product and the residual add."""
+    gen = torch.Generator().manual_seed(7)
+    n, k, rows = 2 * (gemv.ROWS * 3 + 2), 96, 3
+    w, bias = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+    x = 3 * torch.randn(rows, k, generator=gen)
+    norm = torch.nn.RMSNorm(k, eps=1e-5)
+    torch.nn.init.normal_(norm.weight, generator=gen)
+    out_n = n // 2 if swiglu else n
+    residual = torch.randn(rows, out_n, generator=gen)
+    with torch.no_grad():
+        y = gemv.linear_cpu(x, w, bias, norm, residual, swiglu, reference=fused_linear)
+        xn = gemv.rms_norm_cpu(x, [k], norm.weight, norm.eps)  # what the fused norm computes
+    exact = xn.double() @ w.double().T + bias.double()  # (rows, n)
+    limit = bound(xn, w, torch.float32) + 2 * U32 * bias.double().abs()
+    if swiglu:
+        g, u = exact.chunk(2, dim=-1)
+        lg, lu = limit.chunk(2, dim=-1)
+        silu = g * torch.sigmoid(g)
+        exact = silu * u
+        limit = 1.1 * lg * (u.abs() + lu) + (silu.abs() + 1.1 * lg) * lu + 8 * U32 * exact.abs()
+    exact = exact + residual.double()
+    limit = limit + U32 * exact.abs()
+    assert y.shape == (rows, out_n)
+    assert bool(((y.double() - exact).abs() <= limit).all())
+
+
+def test_rope_cpu_is_apply_rope():
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 7, 64, generator=gen)
+    cos, sin = torch.randn(5, 1, 64, generator=gen), torch.randn(5, 1, 64, generator=gen)
+    y = gemv.rope_cpu(x, cos, sin, reference=apply_rope)
+    want = apply_rope(x, cos, sin)  # two products and a sum, each rounded once
+    rolled = x.roll(32, -1)
+    limit = 2 * U32 * ((x * cos).abs() + (rolled * sin).abs())
+    assert bool(((y - want).abs() <= limit).all())
+    for args in [(x.double(), cos.double(), sin.double()), (x[None], cos[None], sin[None])]:
+        torch.testing.assert_close(gemv.rope_cpu(*args, reference=apply_rope),
+                                   apply_rope(*args))  # other shapes and dtypes: the reference
 
 
 def test_gemv_is_used_for_a_few_rows_and_torch_beyond():
@@ -67,16 +111,16 @@ def test_gemv_is_used_for_a_few_rows_and_torch_beyond():
 
 def test_the_model_decodes_through_the_gemv(small_model, monkeypatch):
     calls = []
-    real = gemv.gemv
-    monkeypatch.setattr(gemv, "gemv", lambda x, w: calls.append(x.shape[0]) or real(x, w))
+    real = gemv._run_linear
+    monkeypatch.setattr(gemv, "_run_linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
     tokens = torch.tensor([[5, 6, 7]])
-    small_model.use_kernels(F.linear)
+    small_model.use_kernels()
     want = small_model(tokens)
-    small_model.use_kernels(gemv.linear_cpu, gemv.rms_norm_cpu)
+    small_model.use_kernels(**gemv.select_kernels("cpu", fused_linear, apply_rope))
     try:
         got = small_model(tokens)
     finally:
-        small_model.use_kernels(F.linear)
+        small_model.use_kernels()
     # 2 layers x 4 products + the head, each over the 3 rows of the prompt
     assert calls == [3] * (2 * 4 + 1)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
@@ -84,10 +128,9 @@ def test_the_model_decodes_through_the_gemv(small_model, monkeypatch):
 
 def test_from_pretrained_chooses_the_gemv_on_the_cpu(smollm2_dir):
     model = Transformer.from_pretrained(smollm2_dir, device="cpu", dtype=torch.float32)
-    assert model.layers[0].attn.wqkv.product is gemv.linear_cpu
-    assert model.lm_head.product is gemv.linear_cpu
-    assert model.layers[0].norm1.normalize is gemv.rms_norm_cpu
-    assert model.norm.normalize is gemv.rms_norm_cpu
+    assert model.layers[0].attn.wqkv.product.func is gemv.linear_cpu
+    assert model.lm_head.product.func is gemv.linear_cpu
+    assert model.layers[0].attn.rope.func is gemv.rope_cpu
 
 
 @pytest.mark.parametrize("shape", [(1, 576), (3, 200), (2, 5, 64)])
@@ -126,6 +169,7 @@ def test_avx2_only_cpus(tmp_path):
     env = dict(os.environ, NUMBA_CPU_NAME="haswell", NUMBA_CACHE_DIR=str(tmp_path))
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                           f"{__file__}::test_linear_cpu_within_the_float32_bound",
-                          f"{__file__}::test_rms_norm_cpu_within_its_float32_bound"],
+                          f"{__file__}::test_rms_norm_cpu_within_its_float32_bound",
+                          f"{__file__}::test_fused_linear_within_the_float32_bound"],
                          env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-2000:]  # 5 when no test ran, 1 when one failed

@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import platform
 from collections.abc import Callable
+from functools import partial
 
 import numpy as np
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 try:
@@ -54,7 +56,6 @@ except ImportError:  # no numba: every product goes to torch
 ROWS = 8  # output rows per pass over x: 8 weight streams, 8 vector accumulators (4: slower,
 # bench profile's linear alone)
 SMALL_BATCH = 8  # activation rows up to which the GEMV beats torch's matmul (bench profile)
-LinearFn = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 # Weight dtype -> the numpy type the kernel receives it as. The element type tells the kernel the
 # format (`_widen`): half weights travel as bits, bf16 as int16 and fp16 as uint16.
 _AS_NUMPY = {torch.float32: np.float32, torch.bfloat16: np.int16, torch.float16: np.uint16}
@@ -118,16 +119,6 @@ if AVAILABLE:
     _block = njit(fastmath=_FASTMATH, inline="always", cache=True)(_gemv_block)
 
     @njit(fastmath=_FASTMATH, cache=True)
-    def _gemv_serial(x, w, y):
-        for block in range(-(-w.shape[0] // ROWS)):
-            _block(x, w, y, block)
-
-    @njit(fastmath=_FASTMATH, cache=True, parallel=True)
-    def _gemv_parallel(x, w, y):
-        for block in prange(-(-w.shape[0] // ROWS)):  # threads split the output rows
-            _block(x, w, y, block)
-
-    @njit(fastmath=_FASTMATH, cache=True)
     def _rms_norm_rows(x, weight, eps, out):
         """out (B, D) = x / sqrt(mean(x^2) + eps) * weight, row by row, in float32."""
         for b in range(x.shape[0]):
@@ -138,22 +129,96 @@ if AVAILABLE:
             for c in range(x.shape[1]):
                 out[b, c] = x[b, c] * inv * weight[c]
 
+    @njit(fastmath=_FASTMATH, inline="always", cache=True)
+    def _normalized(x, norm_weight, eps):
+        """x's rows through the RMSNorm of weight norm_weight, or x itself when it has none."""
+        if norm_weight.size == 0:
+            return x
+        out = np.empty_like(x)  # (B, K)
+        _rms_norm_rows(x, norm_weight, eps, out)
+        return out
+
+    @njit(fastmath=_FASTMATH, inline="always", cache=True)
+    def _epilogue(y, bias, residual, swiglu, out):
+        """out (B, M) = act(y (B, N) + bias) + residual: act is silu(gate) * up over y's two
+        halves (M = N / 2) with swiglu, else none (out is y); bias and residual may be empty."""
+        m = out.shape[1]
+        for b in range(out.shape[0]):
+            for j in range(m):
+                v = y[b, j]
+                if bias.size:
+                    v += bias[j]
+                if swiglu:
+                    up = y[b, j + m] + bias[j + m] if bias.size else y[b, j + m]
+                    v = v / (np.float32(1.0) + np.exp(-v)) * up  # F.silu(gate) * up
+                if residual.size:
+                    v = residual[b, j] + v
+                out[b, j] = v
+
+    @njit(fastmath=_FASTMATH, cache=True)
+    def _linear_serial(x, norm_weight, eps, w, bias, residual, swiglu, out):
+        """out = act(norm(x) @ w^T + bias) + residual (`_epilogue`), in one call."""
+        x = _normalized(x, norm_weight, eps)
+        y = np.empty((x.shape[0], w.shape[0]), np.float32) if swiglu else out  # (B, N)
+        for block in range(-(-w.shape[0] // ROWS)):
+            _block(x, w, y, block)
+        _epilogue(y, bias, residual, swiglu, out)
+
+    @njit(fastmath=_FASTMATH, cache=True, parallel=True)
+    def _linear_parallel(x, norm_weight, eps, w, bias, residual, swiglu, out):
+        """_linear_serial with the weight's output rows split between threads."""
+        x = _normalized(x, norm_weight, eps)
+        y = np.empty((x.shape[0], w.shape[0]), np.float32) if swiglu else out  # (B, N)
+        for block in prange(-(-w.shape[0] // ROWS)):
+            _block(x, w, y, block)
+        _epilogue(y, bias, residual, swiglu, out)
+
+    @njit(cache=True)  # no fastmath: the reference's roundings, x * cos + rotated * sin
+    def _rope_rows(x, cos, sin, out):
+        """out (N, H, D) = x * cos + roll(x, D / 2) * sin, cos/sin (N, D) per row (apply_rope)."""
+        half = x.shape[2] // 2
+        for n in range(x.shape[0]):
+            for h in range(x.shape[1]):
+                for i in range(x.shape[2]):
+                    j = i + half if i < half else i - half
+                    out[n, h, i] = x[n, h, i] * cos[n, i] + x[n, h, j] * sin[n, i]
+
+
+
+_NONE_1D = np.empty(0, np.float32)  # an absent bias or norm weight, for the kernels
+_NONE_2D = np.empty((0, 0), np.float32)  # an absent residual
+
+
+def _threads() -> int:
+    """Torch's thread count, within numba's (as cpu.py): the kernels follow torch's setting."""
+    return min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
+
+
+def _weight_array(weight: torch.Tensor) -> np.ndarray:
+    """(N, K) as the kernels read it: float32 as is; half weights as bits (int16 for bf16, uint16
+    for fp16: what `_widen` reads)."""
+    w = weight.detach()
+    if weight.dtype == torch.float32:
+        return w.numpy()
+    return w.view(torch.int16).numpy().view(_AS_NUMPY[weight.dtype])
+
+
+def _run_linear(x, norm_weight, eps, w, bias, residual, swiglu, out) -> None:
+    """The fused kernel on torch's number of threads."""
+    threads = _threads()
+    if threads > 1:
+        numba.set_num_threads(threads)
+        _linear_parallel(x, norm_weight, eps, w, bias, residual, swiglu, out)
+    else:
+        _linear_serial(x, norm_weight, eps, w, bias, residual, swiglu, out)
+
 
 def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x (B, K) float32 @ weight (N, K)^T -> (B, N) float32, by the numba kernel, on torch's
     number of threads."""
-    w = weight.detach()
-    if weight.dtype == torch.float32:
-        w = w.numpy()  # (N, K)
-    else:  # (N, K) bits: int16 for bf16, uint16 for fp16 (what `_widen` reads)
-        w = w.view(torch.int16).numpy().view(_AS_NUMPY[weight.dtype])
     y = np.empty((x.shape[0], weight.shape[0]), np.float32)  # (B, N)
-    threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)  # torch's, as cpu.py
-    if threads > 1:
-        numba.set_num_threads(threads)
-        _gemv_parallel(x.numpy(), w, y)
-    else:
-        _gemv_serial(x.numpy(), w, y)
+    _run_linear(x.numpy(), _NONE_1D, np.float32(0.0), _weight_array(weight), _NONE_1D, _NONE_2D,
+                False, y)
     return torch.from_numpy(y)
 
 
@@ -165,21 +230,57 @@ def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and (weight.dtype != torch.float16 or F16C))
 
 
-def linear_cpu(x: torch.Tensor, weight: torch.Tensor,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear's contract: x (..., K) -> (..., N), in x's dtype; the GEMV for a few rows, torch's
-    matmul otherwise."""
+def _float32_rows(t: torch.Tensor | None) -> bool:
+    return t is not None and t.dtype == torch.float32 and t.is_contiguous()
+
+
+def linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               norm: nn.Module | None = None, residual: torch.Tensor | None = None,
+               swiglu: bool = False, *, reference: Callable) -> torch.Tensor:
+    """`reference`'s contract (model.fused_linear: norm(x) W^T + b, silu(gate) * up with swiglu,
+    + residual), x (..., K) -> (..., N or N / 2): one kernel call for a few float32 rows
+    (the norm fused when it is an RMSNorm in float32), `reference` otherwise."""
     if not fits(x, weight):
-        return F.linear(x, weight, bias)
-    flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # (B, K); a decode step's already
-    if flat.dtype != torch.float32 or not flat.is_contiguous():
-        flat = flat.to(torch.float32).contiguous()
-    y = gemv(flat, weight)  # (B, N) float32
-    if bias is not None:
-        y += bias
-    if x.dtype != torch.float32:
-        y = y.to(x.dtype)
-    return y if x.dim() == 2 else y.view(*x.shape[:-1], weight.shape[0])
+        return reference(x, weight, bias, norm, residual, swiglu)
+    if x.dtype != torch.float32 or not (bias is None or _float32_rows(bias)):
+        return _in_float32(x, weight, bias, norm, residual, swiglu, reference)
+    if norm is not None and not (isinstance(norm, nn.RMSNorm) and _float32_rows(norm.weight)
+                                 and norm.eps is not None):
+        x, norm = norm(x), None  # another norm (LayerNorm): torch's, then the fused product
+    if residual is not None and not _float32_rows(residual):
+        return residual + linear_cpu(x, weight, bias, norm, None, swiglu, reference=reference)
+    flat = x.view(-1, x.shape[-1])  # (B, K)
+    n_out = weight.shape[0] // 2 if swiglu else weight.shape[0]
+    out = np.empty((flat.shape[0], n_out), np.float32)  # (B, M)
+    _run_linear(flat.numpy(), _NONE_1D if norm is None else norm.weight.detach().numpy(),
+                np.float32(0.0 if norm is None else norm.eps), _weight_array(weight),
+                _NONE_1D if bias is None else bias.detach().numpy(),
+                _NONE_2D if residual is None else residual.view(-1, n_out).numpy(), swiglu, out)
+    return torch.from_numpy(out).view(*x.shape[:-1], n_out)
+
+
+def _in_float32(x, weight, bias, norm, residual, swiglu, reference) -> torch.Tensor:
+    """linear_cpu for half activations or bias: the norm in x's dtype, the product in float32,
+    rounded back to x's dtype, then the residual."""
+    dtype = x.dtype
+    x = (x if norm is None else norm(x)).to(torch.float32).contiguous()
+    bias = None if bias is None else bias.to(torch.float32)
+    y = linear_cpu(x, weight, bias, None, None, swiglu, reference=reference).to(dtype)
+    return y if residual is None else residual + y
+
+
+def rope_cpu(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
+             reference: Callable) -> torch.Tensor:
+    """`reference`'s contract (model.apply_rope): x (N, H, D) with cos/sin (N, 1, D) in one
+    kernel call for float32 rows; other shapes and dtypes through `reference`."""
+    if (x.dim() != 3 or x.dtype != torch.float32 or x.stride(-1) != 1 or x.device.type != "cpu"
+            or cos.shape != (x.shape[0], 1, x.shape[2]) or not _float32_rows(cos)
+            or not _float32_rows(sin) or sin.shape != cos.shape):
+        return reference(x, cos, sin)
+    out = np.empty(x.shape, np.float32)  # (N, H, D)
+    _rope_rows(x.numpy(), cos.view(x.shape[0], -1).numpy(), sin.view(x.shape[0], -1).numpy(),
+               out)
+    return torch.from_numpy(out)
 
 
 def rms_norm_cpu(x: torch.Tensor, normalized_shape: list[int], weight: torch.Tensor | None = None,
@@ -195,15 +296,11 @@ def rms_norm_cpu(x: torch.Tensor, normalized_shape: list[int], weight: torch.Ten
     return torch.from_numpy(out).view(x.shape)
 
 
-def select_linear(device: torch.device | str) -> LinearFn:
-    """The linear layers' function for a model on `device`: chosen once, when the model loads."""
+def select_kernels(device: torch.device | str, linear: Callable, rope: Callable) -> dict:
+    """The model's product and RoPE for `device`, chosen once, when it loads: on the CPU
+    with numba the kernels here, each falling back to the reference it is given (`linear`:
+    model.fused_linear, `rope`: model.apply_rope); elsewhere the references."""
     if torch.device(device).type == "cpu" and AVAILABLE:
-        return linear_cpu
-    return F.linear
-
-
-def select_rms_norm(device: torch.device | str) -> Callable:
-    """The RMSNorm layers' function (F.rms_norm's contract) for a model on `device`."""
-    if torch.device(device).type == "cpu" and AVAILABLE:
-        return rms_norm_cpu
-    return F.rms_norm
+        return {"product": partial(linear_cpu, reference=linear),
+                "rope": partial(rope_cpu, reference=rope)}
+    return {"product": linear, "rope": rope}

@@ -37,18 +37,15 @@ class ModelError(RuntimeError):
 
 class KVStep(Protocol):
     """The model-cache protocol: what `Transformer.forward(tokens, plan)` needs from one step.
-
     The tokens are a packed stream of N tokens from one or more sequences. `cache.Plan` implements
-    it over the paged cache, `calibrate.Recorder` by recording and attending plainly.
-    """
+    it over the paged cache, `calibrate.Recorder` by recording and attending plainly."""
 
     positions: torch.Tensor  # (N,) absolute position of each token (RoPE, learned positions)
     logits_idx: torch.Tensor | None  # rows whose logits are returned; None: all N
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Store this step's k, v (N, n_kv_heads, hd) of `layer`, then attend the queries
-        q (N, n_heads, hd) over every key and value the tokens' sequences hold, causally:
-        returns o (N, n_heads, hd)."""
+        """Store this step's k, v (N, n_kv_heads, hd) of `layer`, then attend q (N, n_heads, hd)
+        causally over every key and value the tokens' sequences hold: returns o (N, n_heads, hd)."""
         ...
 
 
@@ -162,23 +159,28 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin)
 
 
+def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, norm=None,
+                 residual: torch.Tensor | None = None, swiglu: bool = False) -> torch.Tensor:
+    """A linear layer with what surrounds it in a block: norm(x) W^T + b, then silu(gate) * up over
+    the two halves of the outputs (swiglu), then + residual. One pass in the CPU's decode GEMV."""
+    y = F.linear(x if norm is None else norm(x), weight, bias)
+    if swiglu:
+        gate, up = y.chunk(2, dim=-1)
+        y = F.silu(gate) * up
+    return y if residual is None else residual + y
+
+
 class Linear(nn.Linear):
-    """nn.Linear through the product chosen when the model loads (`Transformer.use_kernels`):
-    F.linear, or on the CPU gemv.linear_cpu, which reads the weights at memory speed in decode."""
-    product: Callable = staticmethod(F.linear)  # (x, weight, bias) -> y: F.linear's contract
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.product(x, self.weight, self.bias)
-
-
-class RMSNorm(nn.RMSNorm):
-    """nn.RMSNorm through the function chosen with the products (on the CPU gemv.rms_norm_cpu)."""
-    normalize: Callable = staticmethod(F.rms_norm)  # F.rms_norm's contract
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.normalize(x, self.normalized_shape, self.weight, self.eps)
+    """nn.Linear through the product chosen at load (use_kernels): fused_linear or gemv's."""
+    product: Callable = staticmethod(fused_linear)  # fused_linear's contract
+    def forward(self, x: torch.Tensor, norm: nn.Module | None = None,
+                residual: torch.Tensor | None = None, swiglu: bool = False) -> torch.Tensor:
+        return self.product(x, self.weight, self.bias, norm, residual, swiglu)
 
 
 class Attention(nn.Module):
     """Fused q/k/v projection, RoPE, attention (through the plan's cache, or plain causal)."""
+    rope: Callable = staticmethod(apply_rope)  # chosen when the model loads, like Linear.product
 
     def __init__(self, cfg: Config, layer: int):
         super().__init__()
@@ -187,24 +189,24 @@ class Attention(nn.Module):
         self.wqkv = Linear(cfg.dim, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.wo = Linear(self.q_size, cfg.dim, bias=cfg.o_bias)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
-                plan: KVStep | None = None) -> torch.Tensor:
-        """x (B, T, dim), or (N, dim) packed with a plan -> the same shape."""
+    def forward(self, x: torch.Tensor, norm: nn.Module, cos: torch.Tensor | None,
+                sin: torch.Tensor | None, plan: KVStep | None = None) -> torch.Tensor:
+        """x (B, T, dim), or (N, dim) packed with a plan -> x + attention(norm(x)), same shape."""
         cfg, lead = self.cfg, x.shape[:-1]
-        qk, v = self.wqkv(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        # (..., n_heads + n_kv_heads, hd): q and k rotate in one go
-        qk = qk.unflatten(-1, (cfg.n_heads + cfg.n_kv_heads, cfg.head_dim))
+        qkv = self.wqkv(x, norm=norm)  # split by views (split_with_sizes, view: one op each)
+        qk, v = qkv.split_with_sizes([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = qk.view(*lead, cfg.n_heads + cfg.n_kv_heads, cfg.head_dim)  # q, k rotate in one go
         if cos is not None:
-            qk = apply_rope(qk, cos, sin)
-        q, k = qk.split([cfg.n_heads, cfg.n_kv_heads], dim=-2)
-        v = v.unflatten(-1, (cfg.n_kv_heads, cfg.head_dim))
+            qk = self.rope(qk, cos, sin)
+        q, k = qk.split_with_sizes([cfg.n_heads, cfg.n_kv_heads], dim=-2)
+        v = v.view(*lead, cfg.n_kv_heads, cfg.head_dim)
         if plan is not None:  # packed (N, heads, hd): the cache stores and serves K/V
             o = plan.attend(self.layer, q, k, v)  # (N, n_heads, hd)
         else:  # reference: plain causal attention over (B, T)
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, hd)
             k, v = (t.repeat_interleave(cfg.n_rep, dim=1) for t in (k, v))  # GQA: heads shared
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
-        return self.wo(o.reshape(*lead, self.q_size))
+        return self.wo(o.reshape(*lead, self.q_size), residual=x)
 
 
 class MLP(nn.Module):
@@ -217,17 +219,15 @@ class MLP(nn.Module):
         self.w_in = Linear(cfg.dim, n_in, bias=cfg.mlp_bias)
         self.w_out = Linear(cfg.ffn_dim, cfg.dim, bias=cfg.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.w_in(x)
-        if self.gpt2_style:
-            return self.w_out(F.gelu(h, approximate=self.gelu))
-        gate, up = h.chunk(2, dim=-1)
-        return self.w_out(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+        if self.gpt2_style:  # x + mlp(norm(x)): the norm, activation and residual in the products
+            return self.w_out(F.gelu(self.w_in(x, norm=norm), approximate=self.gelu), residual=x)
+        return self.w_out(self.w_in(x, norm=norm, swiglu=True), residual=x)
 
 
 def make_norm(cfg: Config) -> nn.Module:
     """LayerNorm for the GPT-2 family, RMSNorm for the Llama family."""
-    norm = nn.LayerNorm if cfg.gpt2_style else RMSNorm
+    norm = nn.LayerNorm if cfg.gpt2_style else nn.RMSNorm
     return norm(cfg.dim, eps=cfg.norm_eps)
 
 
@@ -241,8 +241,8 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
                 plan: KVStep | None = None) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, plan)
-        return x + self.mlp(self.norm2(x))
+        x = self.attn(x, self.norm1, cos, sin, plan)  # x + attention(norm1(x))
+        return self.mlp(x, self.norm2)  # x + mlp(norm2(x))
 
 
 class Transformer(nn.Module):
@@ -263,13 +263,13 @@ class Transformer(nn.Module):
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
 
-    def use_kernels(self, product: Callable, rms_norm: Callable = F.rms_norm) -> None:
-        """Linear layers multiply through `product`, RMSNorms through `rms_norm`, from now on."""
+    def use_kernels(self, product: Callable = fused_linear, rope: Callable = apply_rope) -> None:
+        """From now on: linear layers through `product` (norms fused in), RoPE through `rope`."""
         for m in self.modules():
             if isinstance(m, Linear):
                 m.product = product
-            elif isinstance(m, RMSNorm):
-                m.normalize = rms_norm
+            elif isinstance(m, Attention):
+                m.rope = rope
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, plan: KVStep | None = None) -> torch.Tensor:
@@ -291,7 +291,7 @@ class Transformer(nn.Module):
             x = block(x, cos, sin, plan)
         if plan is not None and plan.logits_idx is not None:
             x = x[plan.logits_idx]  # only the rows we sample from: the vocab matmul is costly
-        return self.lm_head(self.norm(x)).float()
+        return self.lm_head(x, norm=self.norm).float()
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str | torch.device | None = None,
@@ -328,8 +328,8 @@ class Transformer(nn.Module):
         if not cfg.gpt2_style:
             model.rope_cos, model.rope_sin = rope_tables(cfg)
         model = model.to(device=device, dtype=dtype).eval()
-        from .gemv import select_linear, select_rms_norm  # numba loads with a model, not here
-        model.use_kernels(select_linear(device), select_rms_norm(device))  # chosen once
+        from .gemv import select_kernels  # numba loads with a model, not here
+        model.use_kernels(**select_kernels(device, fused_linear, apply_rope))  # chosen once
         return model
 
 

@@ -1,8 +1,9 @@
 """`python -m tinykv bench profile`: where a decode step's time goes, tinykv beside transformers.
 
 Wall time per decoded token (batch 1, greedy, after a prompt of --prompt tokens) split into the
-linear layers (every `model.Linear`, where the weights are read once per token), the norms, the
-cache's `write` (quantize on store) and `attend`, and the rest (RoPE, residuals, sampling, Python);
+linear layers (every `model.Linear`, where the weights are read once per token, with the norm,
+SwiGLU and residual add each fuses), the cache's `write` (quantize on store) and `attend`, and the
+rest (RoPE, sampling, Python);
 transformers' step into its linear layers (F.linear) and the rest, from its first new token to its
 last. Timers wrap those functions for the run only.
 
@@ -19,16 +20,14 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 from ..cache import PagedKVCache, make_cache
 from ..generate import Engine, Sampling
-from ..model import Linear, RMSNorm, Transformer
+from ..model import Linear, Transformer
 from ..pools import KVPools
 
-PARTS = ["linear", "norms", "cache.write", "cache.attend"]
-NORMS = (RMSNorm, nn.LayerNorm)  # the Llama family's and the GPT-2 family's
+PARTS = ["linear", "cache.write", "cache.attend"]
 
 
 @contextmanager
@@ -61,9 +60,8 @@ def profile_tinykv(model: Transformer, prompt: list[int], kv: str, n_new: int) -
         eng.step()
     acc: Counter = Counter()
     with ExitStack() as stack:
-        stack.enter_context(timing(Linear, "forward", acc, "linear"))  # every linear layer
-        for norm in NORMS:
-            stack.enter_context(timing(norm, "forward", acc, "norms"))
+        # every linear layer, with the norm, SwiGLU and residual it fuses (gemv.linear_cpu)
+        stack.enter_context(timing(Linear, "forward", acc, "linear"))
         stack.enter_context(timing(KVPools, "write", acc, "cache.write"))
         stack.enter_context(timing(PagedKVCache, "attend", acc, "cache.attend"))
         t0, steps = time.perf_counter(), 0
@@ -160,7 +158,9 @@ def linear_alone(model: Transformer, reps: int = 5) -> list[dict]:
     `reps` and the weights' read rate."""
     layers = list(dict.fromkeys(m for m in model.modules() if isinstance(m, Linear)))
     xs = {m: torch.randn(1, m.in_features, dtype=m.weight.dtype) for m in layers}
-    paths = {"F.linear": F.linear, f"model ({layers[0].product.__name__})": layers[0].product}
+    product = layers[0].product
+    name = getattr(product, "func", product).__name__  # a partial: the kernel it calls
+    paths = {"F.linear": F.linear, f"model ({name})": product}
     best = dict.fromkeys(paths, float("inf"))
     with torch.inference_mode():
         for rep in range(reps + 1):  # the first round warms up (JIT, allocator)
