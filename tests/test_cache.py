@@ -249,3 +249,18 @@ def test_single_block_pool():
     toks = list(range(1, 12))
     got = run_cached(m, cache_for(m, "fp32", blocks=1, block_size=16), {0: toks}, chunk=4)[0]
     torch.testing.assert_close(got, m(torch.tensor([toks]))[0], atol=1e-5, rtol=1e-5)
+
+
+def test_plan_tensors_keep_version_counts_under_inference_mode():
+    """A plan made under inference_mode holds normal tensors: their version counts let the CPU
+    kernels keep a step's converted metadata across the layers (an inference tensor has none,
+    so every layer call would convert it again)."""
+    m = tiny()
+    with torch.inference_mode(), cache_for(m, "int8", tokens=64) as cache:
+        cache.add_sequence(0)
+        plan = cache.plan([0], [[1, 2, 3]])
+        tensors = [plan.positions, plan.q_slots, plan.q_seq, plan.ctx_lens, plan.logits_idx,
+                   *plan.tables.values()]
+        tensors += [t for index in plan.slots.values() for t in index if torch.is_tensor(t)]
+        assert not any(t.is_inference() for t in tensors)
+        m(torch.tensor([1, 2, 3]), plan)  # the model's own ops stay under inference_mode

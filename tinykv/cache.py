@@ -167,42 +167,43 @@ class PagedKVCache:
     # ---- one step -------------------------------------------------------------------------------
     def plan(self, seq_ids: list[int], new_tokens: list[list[int]],
              logits: str | list[int] = "last") -> Plan:
-        """Slots for each sequence's new tokens, and the step's metadata as tensors.
-
-        `logits`: "all" rows, the "last" row of every sequence, or the last row of listed ones.
-        """
-        slots = self.tables.assign(seq_ids, new_tokens)
-        dev = self.device
-        tables = self._tables(seq_ids)
-        chunks = []
-        if self.offload:
-            one_pass = self.kernels.reads_host_memory
-            tiers = (STORE, HOST, DISK) if one_pass else (HOST, DISK)
-            entries = self.tables.placed(seq_ids, tiers)
-            chunks = self.offload.plan_chunks(entries, len(seq_ids), tables[STORE].shape[1],
-                                              one_pass)
-        lens = [self.tables.seqs[s].slots for s in seq_ids]
-        last = torch.cumsum(torch.tensor([len(t) for t in new_tokens]), 0) - 1  # (B,)
-        logits_idx = None
-        sampled = [True] * len(seq_ids)
-        if logits == "last":
-            logits_idx = last.to(dev)
-        elif logits != "all":
-            logits_idx = last[logits].to(dev)
-            sampled = [row in set(logits) for row in range(len(seq_ids))]
-        step_slots = self._step_slots(slots)
-        if self.scores is not None:
-            for sid, toks in zip(seq_ids, new_tokens):
-                self.scores.prepare(sid, self.slots(sid), len(toks), self.device)
-        positions = _index(slots.positions, dev)
-        q_slots = positions
-        if slots.q_slots != slots.positions:  # evicted tokens: slots lag positions
-            q_slots = _index(slots.q_slots, dev)
-        return Plan(cache=self, seq_ids=list(seq_ids), positions=positions, q_slots=q_slots,
-                    q_seq=torch.tensor(slots.q_seq, dtype=torch.int32, device=dev),
-                    ctx_lens=torch.tensor(lens, dtype=torch.int32, device=dev), tables=tables,
-                    slots=step_slots, logits_idx=logits_idx, offload_chunks=chunks,
-                    n_new=[len(t) for t in new_tokens], sampled=sampled)
+        """Slots for each sequence's new tokens, and the step's metadata as tensors: normal ones
+        even under inference_mode, whose version counts let the kernels keep what they convert
+        from them for the whole step. `logits`: "all" rows, the "last" row of every sequence, or
+        the last row of listed ones."""
+        with torch.inference_mode(False):
+            slots = self.tables.assign(seq_ids, new_tokens)
+            dev = self.device
+            tables = self._tables(seq_ids)
+            chunks = []
+            if self.offload:
+                one_pass = self.kernels.reads_host_memory
+                tiers = (STORE, HOST, DISK) if one_pass else (HOST, DISK)
+                entries = self.tables.placed(seq_ids, tiers)
+                chunks = self.offload.plan_chunks(entries, len(seq_ids), tables[STORE].shape[1],
+                                                  one_pass)
+            lens = [self.tables.seqs[s].slots for s in seq_ids]
+            last = torch.cumsum(torch.tensor([len(t) for t in new_tokens]), 0) - 1  # (B,)
+            logits_idx = None
+            sampled = [True] * len(seq_ids)
+            if logits == "last":
+                logits_idx = last.to(dev)
+            elif logits != "all":
+                logits_idx = last[logits].to(dev)
+                sampled = [row in set(logits) for row in range(len(seq_ids))]
+            step_slots = self._step_slots(slots)
+            if self.scores is not None:
+                for sid, toks in zip(seq_ids, new_tokens):
+                    self.scores.prepare(sid, self.slots(sid), len(toks), self.device)
+            positions = _index(slots.positions, dev)
+            q_slots = positions
+            if slots.q_slots != slots.positions:  # evicted tokens: slots lag positions
+                q_slots = _index(slots.q_slots, dev)
+            return Plan(cache=self, seq_ids=list(seq_ids), positions=positions, q_slots=q_slots,
+                        q_seq=torch.tensor(slots.q_seq, dtype=torch.int32, device=dev),
+                        ctx_lens=torch.tensor(lens, dtype=torch.int32, device=dev), tables=tables,
+                        slots=step_slots, logits_idx=logits_idx, offload_chunks=chunks,
+                        n_new=[len(t) for t in new_tokens], sampled=sampled)
 
     def _step_slots(self, slots: Slots) -> dict[int, SlotIndex]:
         """The tables' slots of a step as tensors, per pool that the step writes to."""
