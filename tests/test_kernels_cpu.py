@@ -215,11 +215,31 @@ def test_two_pools_merge_and_half_queries():
     parts = [(store, t_store), (hot, t_hot)]
     ref = merge_partials([paged_attention_ref(q, q_seq, q_pos, *kv, t, ctx, 0.125)
                           for kv, t in parts])
-    out = merge_partials([paged_attention_cpu(q, q_seq, q_pos, *kv, t, ctx, 0.125)
-                          for kv, t in parts])
+    out = kernels_cpu.merge_partials_cpu([paged_attention_cpu(q, q_seq, q_pos, *kv, t, ctx,
+                                                               0.125) for kv, t in parts])
     lse_tol, o_tol = rounding_bound(q.float(), q_seq, q_pos, *store, t_store, ctx, 0.125)
     assert (out[1] - ref[1]).abs()[ref[1].isfinite()].max() <= 2 * TOL + lse_tol.max()
     assert (out[0] - ref[0]).abs().max() <= 2 * TOL * (1 + ref[0].abs().max()) + o_tol.max()
+
+
+def test_merge_equals_the_reference():
+    """The compiled merge of 1-3 partials equals reference.merge_partials: rows where some parts
+    saw no key (lse -inf, whatever their o holds) and rows where none did (o 0, lse -inf)."""
+    gen = torch.Generator().manual_seed(6)
+    for n_parts in (1, 2, 3):
+        parts = []
+        for i in range(n_parts):
+            o, lse = torch.randn(5, 4, 16, generator=gen), 3 * torch.randn(5, 4, generator=gen)
+            lse[i, :2] = -torch.inf  # row i: this part saw no key for two heads
+            lse[4] = -torch.inf  # row 4: no part saw a key
+            o[4] = 0.0  # as every kernel leaves a row with no key
+            parts.append((o, lse))
+        got, want = kernels_cpu.merge_partials_cpu(parts), merge_partials(parts)
+        assert torch.equal(torch.isneginf(got[1]), torch.isneginf(want[1]))
+        finite = want[1].isfinite()
+        assert torch.allclose(got[1][finite], want[1][finite], rtol=1e-6, atol=1e-6)
+        assert torch.allclose(got[0], want[0], rtol=1e-5, atol=1e-6)
+        assert (got[0][4] == 0).all()
 
 
 def test_kept_arguments_follow_the_tensors():

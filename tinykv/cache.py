@@ -17,7 +17,6 @@ import torch
 from . import evict
 from .blocks import DISK, HOST, HOT, STORE, CacheError, PoolExhausted
 from .kernels import Kernels, select_kernels
-from .kernels.reference import merge_partials
 from .model import Config
 from .offload import OffloadConfig, Offloader, StagedChunk, is_one_pass
 from .pools import KVPools, SlotIndex, block_bytes, check_fits, hot_blocks, store_blocks
@@ -233,7 +232,7 @@ class PagedKVCache:
         if HOT in plan.tables:
             k, v = self.pools.hot_views[layer]
             parts.append(self._attend_pool(q, plan, k, v, plan.tables[HOT]))
-        return merge_partials(parts)[0].to(q.dtype)
+        return self.kernels.merge(parts)[0].to(q.dtype)
 
     def _attend_pool(self, q, plan: Plan, k, v, table) -> tuple[torch.Tensor, torch.Tensor]:
         """(o, lse) of the queries over one pool's blocks `table` (B, MB)."""

@@ -5,7 +5,7 @@ of an fp16 one. Attention never brings a whole sequence back: its offloaded bloc
 one layer and `stage_blocks` blocks at a time, into two fixed device buffers in turn (the next
 chunk's copy overlaps this chunk's attention: on CUDA from pinned memory on a side stream, see
 Stager), and the partial results merged exactly by log-sum-exp with the device part
-(kernels.merge_partials).
+(the kernels' merge).
 
 The Offloader holds data only: which block moves where, and when, is the block tables' policy
 (tables.py), which call `copy`; the cache calls `plan_chunks` and `attend_parts` in a step. The

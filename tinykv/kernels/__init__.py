@@ -1,7 +1,8 @@
 """The kernels a cache reads and writes through: one interface, three implementations.
 
 Each implementation has the same two functions: paged dequant-attention (`attend`, the signature
-of reference.paged_attention_ref) and quantize-on-store (`store`, reference.quantize_store_ref).
+of reference.paged_attention_ref) and quantize-on-store (`store`, reference.quantize_store_ref);
+and a merge of attention partials over disjoint key sets (`merge`, reference.merge_partials).
 
     layout.py        PoolLayer, StoredFormat and check_layout: what every kernel reads
     reference.py     the torch references: what every kernel computes (read these first)
@@ -25,7 +26,7 @@ import torch
 
 from ..blocks import CacheError
 from .layout import PoolLayer, StoredFormat, check_layout, stored_format
-from .reference import paged_attention_ref, quantize_store_ref
+from .reference import merge_partials, paged_attention_ref, quantize_store_ref
 
 __all__ = ["Kernels", "PoolLayer", "StoredFormat", "check_layout", "select_kernels",
            "stored_format"]
@@ -40,6 +41,7 @@ class Kernels:
     # The kernels read host memory as their own: offloaded blocks can join the resident ones in
     # one pass (no staging copies). False for a GPU kernel, even one the interpreter runs.
     reads_host_memory: bool
+    merge: Callable = merge_partials  # merges attend's partials over disjoint key sets
 
 
 def select_kernels(attention: str, device: torch.device) -> Kernels:
@@ -66,7 +68,8 @@ def select_kernels(attention: str, device: torch.device) -> Kernels:
             raise CacheError("--attention cpu needs numba and the model on the CPU")
         from . import cpu
         kernels = cpu.CpuKernels()  # one per cache: it keeps the arguments it converts
-        return Kernels("cpu", kernels.attend, kernels.store, reads_host_memory=True)
+        return Kernels("cpu", kernels.attend, kernels.store, reads_host_memory=True,
+                       merge=cpu.merge_partials_cpu)
     return Kernels("torch", paged_attention_ref, quantize_store_ref,
                    reads_host_memory=device.type == "cpu")
 

@@ -231,6 +231,8 @@ def _merge_splits(o, lse):
             for s in range(S):
                 top = max(top, lse[s, n, hq])
             if top == -np.inf:  # no key in any part
+                o[0, n, hq, :] = 0.0
+                lse[0, n, hq] = -np.inf
                 continue
             total = 0.0
             for s in range(S):
@@ -241,6 +243,17 @@ def _merge_splits(o, lse):
                     x += np.exp(lse[s, n, hq] - top) / total * o[s, n, hq, d]
                 o[0, n, hq, d] = x
             lse[0, n, hq] = top + np.log(total)
+
+
+def merge_partials_cpu(parts: list[Partial]) -> Partial:
+    """reference.merge_partials in one compiled pass (a pool and its hot blocks: two partials a
+    layer call)."""
+    if len(parts) == 1:
+        return parts[0]
+    o = np.stack([o.float().numpy() for o, _ in parts])  # (P, N, Hq, D)
+    lse = np.stack([lse.float().numpy() for _, lse in parts])  # (P, N, Hq)
+    _merge_splits(o, lse)
+    return torch.from_numpy(o[0]), torch.from_numpy(lse[0])
 
 
 def paged_attention_cpu(q: torch.Tensor, q_seq: torch.Tensor, q_pos: torch.Tensor, k: PoolLayer,
