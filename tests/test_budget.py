@@ -11,7 +11,7 @@ from test_cache import run_cached, tiny
 from tinykv import budget, sensitivity
 from tinykv.budget import BudgetError
 from tinykv.cache import make_cache
-from tinykv.calibrate import record
+from tinykv.calibrate import check_request, record
 from tinykv.model import Config
 from tinykv.quant import layer_transforms
 from tinykv.sensitivity import Sensitivity
@@ -140,6 +140,36 @@ def test_allocation_is_the_best_within_the_budget(seed):
         budget.allocate(sens, 3, 6 * 2.25 - 0.1)
 
 
+def one_static_format_each(combo) -> bool:
+    """A scale file holds one static format for K and one for V."""
+    return all(len({s.part.stored for s in combo if s.which == w and s.part.static}) <= 1
+               for w in "kv")
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_allocation_keeps_one_static_format_per_k_and_v(seed):
+    """Two static formats per side are offered; the best allowed mix (one static format for K,
+    one for V, any dynamic ones) is chosen, as brute force over the allowed mixes finds it, and
+    the spec it writes can be calibrated."""
+    g = torch.Generator().manual_seed(seed)
+    parts = [(QuantParams.parse(f), b) for f, b in (
+        ("int2:channel:static", 2.0), ("int4:channel:static", 4.0), ("int2:g64", 2.25),
+        ("int4", 4.25))]
+    sens = [Sensitivity(layer=layer, which=w, part=p, bits=bits,
+                        kl=float(torch.rand(1, generator=g)) / bits)
+            for layer in range(3) for w in "kv" for p, bits in parts]
+    total = 6 * 2.0 + float(torch.rand(1, generator=g)) * 12
+    chosen = budget.allocate(sens, 3, total)
+    assert one_static_format_each(chosen.values())
+    items = [[s for s in sens if (s.layer, s.which) == (layer, w)]
+             for layer in range(3) for w in "kv"]
+    want = min(sum(s.kl for s in combo) for combo in itertools.product(*items)
+               if one_static_format_each(combo) and sum(s.bits for s in combo) <= total + 1e-9)
+    assert sum(s.kl for s in chosen.values()) == pytest.approx(want)
+    spec = budget.spec_of(KVSpec.parse("fp16"), chosen, 3)
+    check_request(spec, "minmax")  # raises on two static formats for K or V
+
+
 def test_spec_of_writes_each_layers_choice():
     base = KVSpec.parse("fp16,residual=64,sink=16")
     k2, k4 = QuantParams.parse("int2:g32:rot:center:smooth"), QuantParams.parse("int4:rot")
@@ -166,3 +196,21 @@ def test_spec_of_writes_each_layers_choice():
 def test_bad_candidates(texts, why):
     with pytest.raises(BudgetError, match=why):
         budget.parse_candidates(texts)
+
+
+def test_saved_sensitivities_keep_their_observer(tmp_path):
+    """Static scales depend on the observer, so saved errors of static parts are refused under
+    another one; dynamic parts' errors do not depend on it."""
+    base = KVSpec.parse("fp16,residual=64,sink=16")
+    static = Sensitivity(layer=0, which="k", part=QuantParams.parse("int2:channel:static"),
+                         bits=2.0, kl=0.5)
+    dynamic = Sensitivity(layer=0, which="v", part=QuantParams.parse("int2:g64"), bits=2.25,
+                          kl=0.1)
+    sensitivity.save(tmp_path / "s.json", [static, dynamic], base, "percentile:99")
+    assert sensitivity.load(tmp_path / "s.json", base, "percentile:99") == [static, dynamic]
+    with pytest.raises(ValueError, match="measured with --observer percentile:99, not minmax"):
+        sensitivity.load(tmp_path / "s.json", base, "minmax")
+    sensitivity.save(tmp_path / "d.json", [dynamic], base, "percentile:99")
+    assert sensitivity.load(tmp_path / "d.json", base, "minmax") == [dynamic]
+    with pytest.raises(ValueError, match="residual=64, sink=16"):
+        sensitivity.load(tmp_path / "s.json", KVSpec.parse("fp16"), "percentile:99")

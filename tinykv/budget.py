@@ -100,9 +100,38 @@ def format_budget(cfg: Config, base: KVSpec, bits: float, context: int, block_si
 def allocate(sens: list[Sensitivity], n_layers: int, total_bits: float
              ) -> dict[tuple[int, str], Sensitivity]:
     """(layer, "k"|"v") -> the chosen candidate: the least summed KL whose summed bits stay
-    within total_bits (a multiple-choice knapsack, solved exactly over costs in 1/64 bit)."""
+    within total_bits. A scale file holds one static format for K and one for V, so the choice
+    is made for every such pair of static formats (or none) and the best kept."""
+    def statics(which: str) -> list[QuantParams | None]:
+        found = {s.part.stored for s in sens if s.which == which and s.part.static}
+        return [None] + sorted(found, key=str)
+
+    best, least, why = None, math.inf, None
+    for k_static in statics("k"):
+        for v_static in statics("v"):
+            keep = {"k": k_static, "v": v_static}
+            allowed = [s for s in sens if not s.part.static or s.part.stored == keep[s.which]]
+            try:
+                chosen = _knapsack(allowed, n_layers, total_bits)
+            except BudgetError as e:
+                why = why or e
+                continue
+            error = sum(s.kl for s in chosen.values())
+            if error < least:
+                best, least = chosen, error
+    if best is None:
+        raise why
+    return best
+
+
+def _knapsack(sens: list[Sensitivity], n_layers: int, total_bits: float
+              ) -> dict[tuple[int, str], Sensitivity]:
+    """allocate's choice among these candidates, all allowed together: a multiple-choice
+    knapsack, solved exactly over costs in 1/64 bit."""
     items = [(layer, which) for layer in range(n_layers) for which in "kv"]
     options = {item: [s for s in sens if (s.layer, s.which) == item] for item in items}
+    if not all(options.values()):
+        raise BudgetError("every layer's K and V needs a candidate the others allow")
     cap = math.floor(total_bits * UNIT + 1e-6)
     cheapest = sum(min(s.bits for s in options[item]) for item in items)
     if cheapest * UNIT > cap + 1e-6:
@@ -183,7 +212,7 @@ class Choice:
 def choose(model: Transformer, tokens: list[int], probe: list[int], base: KVSpec,
            candidates: list[tuple[str, QuantParams]], bits: float, context: int,
            window: int = 1024, block_size: int = 16, progress: bool = False,
-           measured: list[Sensitivity] | None = None) -> Choice:
+           measured: list[Sensitivity] | None = None, observer: str = "minmax") -> Choice:
     """Each layer's K and V format within `bits` per element at `context` (module docstring),
     calibrated on `tokens`, measured on `probe` (or taken from `measured`, a saved measurement
     under the same sinks and window); fails before the slow part when the budget cannot hold
@@ -201,12 +230,13 @@ def choose(model: Transformer, tokens: list[int], probe: list[int], base: KVSpec
                           "beside these sinks and window")
     rec = record(model, tokens, window, keep_q=True, progress=progress)
     if measured is None:
-        sens = sensitivities(model, rec, probe, base, candidates, window, block_size, progress)
+        sens = sensitivities(model, rec, probe, base, candidates, window, block_size, progress,
+                             observer)
     else:
         sens = _measured(measured, candidates, cfg.n_layers)
     chosen = allocate(sens, cfg.n_layers, total)
     spec = spec_of(base, chosen, cfg.n_layers)
-    scales = scales_from(rec, spec)[0] if spec.needs_scales else {}
+    scales = scales_from(rec, spec, observer)[0] if spec.needs_scales else {}
     return Choice(sens=sens, chosen=chosen, spec=spec, scales=scales,
                   bits=bits_per_element(cfg, spec, context, block_size, dtype),
                   predicted_kl=sum(s.kl for s in chosen.values()))

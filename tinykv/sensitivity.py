@@ -140,15 +140,16 @@ def _exact_run(model: Transformer, win: list[int], step: _Step
 @torch.inference_mode()
 def sensitivities(model: Transformer, rec: Recorder, probe: list[int], base: KVSpec,
                   candidates: list[tuple[str, QuantParams]], window: int = 1024,
-                  block_size: int = 16, progress: bool = False) -> list[Sensitivity]:
+                  block_size: int = 16, progress: bool = False,
+                  observer: str = "minmax") -> list[Sensitivity]:
     """Every layer's error under every candidate (module docstring): transforms and static
-    scales calibrated on the recording `rec` (with queries), errors measured over the windows
-    of `probe`."""
+    scales (by `observer`) calibrated on the recording `rec` (with queries), errors measured
+    over the windows of `probe`."""
     L, D = model.cfg.n_layers, model.cfg.head_dim
     probes = []  # (which, part, transforms, scales)
     for which, p in candidates:
         spec = probe_spec(base, which, p)
-        scales = scales_from(rec, spec)[0] if spec.needs_scales else {}
+        scales = scales_from(rec, spec, observer)[0] if spec.needs_scales else {}
         probes.append((which, p, layer_transforms(spec, L, D, scales), scales))
     dev = next(model.parameters()).device
     kl = np.zeros((L, len(probes)))
@@ -173,17 +174,20 @@ def sensitivities(model: Transformer, rec: Recorder, probe: list[int], base: KVS
             for layer in range(L) for c, (which, p, _, _) in enumerate(probes)]
 
 
-def save(path: str | Path, sens: list[Sensitivity], base: KVSpec) -> None:
-    """Sensitivities as JSON, with the sinks and window they were measured under."""
+def save(path: str | Path, sens: list[Sensitivity], base: KVSpec,
+         observer: str = "minmax") -> None:
+    """Sensitivities as JSON, with the sinks and window they were measured under and the
+    observer of their static scales."""
     rows = [{"layer": s.layer, "which": s.which, "part": str(s.part), "bits": s.bits,
              "kl": s.kl} for s in sens]
-    text = json.dumps({"residual": base.residual, "sink": base.sink, "sensitivities": rows})
+    text = json.dumps({"residual": base.residual, "sink": base.sink, "observer": observer,
+                       "sensitivities": rows})
     write_text(path, text + "\n")
 
 
-def load(path: str | Path, base: KVSpec) -> list[Sensitivity]:
+def load(path: str | Path, base: KVSpec, observer: str = "minmax") -> list[Sensitivity]:
     """What `save` wrote, refused unless measured under base's sinks and window (they change
-    every error)."""
+    every error) and, where a part is static, with this observer (it sets those scales)."""
     try:
         saved = json.loads(Path(path).read_text())
         sens = [Sensitivity(layer=r["layer"], which=r["which"], part=QuantParams.parse(r["part"]),
@@ -193,4 +197,8 @@ def load(path: str | Path, base: KVSpec) -> list[Sensitivity]:
     if (saved["residual"], saved["sink"]) != (base.residual, base.sink):
         raise ValueError(f"{path} was measured with residual={saved['residual']}, "
                          f"sink={saved['sink']}, not those of '{base}'")
+    was = saved.get("observer", "minmax")
+    if was != observer and any(s.part.static for s in sens):
+        raise ValueError(f"{path}'s static parts were measured with --observer {was}, "
+                         f"not {observer}")
     return sens

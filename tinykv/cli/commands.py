@@ -290,7 +290,7 @@ def cmd_calibrate_bits(args) -> None:
     budget.check_base(args.kv)
     measured = None
     if args.sensitivities_in:
-        measured = sensitivity.load(args.sensitivities_in, args.kv)
+        measured = sensitivity.load(args.sensitivities_in, args.kv, args.observer)
     saved = list(dict.fromkeys(f"{s.which}={s.part}" for s in measured or []))
     candidates = budget.parse_candidates(args.candidates or saved or
                                          list(budget.DEFAULT_CANDIDATES))
@@ -304,9 +304,9 @@ def cmd_calibrate_bits(args) -> None:
     tokens = tokens_of(args.text_body, path, args.offset, args.max_tokens)
     probe = tokens[:args.probe_tokens]
     choice = budget.choose(model, tokens, probe, args.kv, candidates, args.bits, args.context,
-                           window, progress=True, measured=measured)
+                           window, progress=True, measured=measured, observer=args.observer)
     if args.sensitivities_out:
-        sensitivity.save(args.sensitivities_out, choice.sens, args.kv)
+        sensitivity.save(args.sensitivities_out, choice.sens, args.kv, args.observer)
     print(budget.table(choice.chosen, choice.sens, model.cfg.n_layers))
     confirm_choice(args, model, choice, probe, window, plot,
                    TextSpan.of(args.text_body, args.offset, len(tokens)))
