@@ -87,6 +87,14 @@ def test_fused_linear_within_the_float32_bound(swiglu, threads):
     assert bool(((y.double() - exact).abs() <= limit).all())
 
 
+def test_fused_linear_takes_no_rows():
+    """A prefill chunk whose logits nobody wants reaches the head with no rows."""
+    w, norm = torch.randn(8, 16), torch.nn.RMSNorm(16, eps=1e-5)
+    with torch.no_grad():
+        y = gemv.linear_cpu(torch.randn(0, 16), w, None, norm, reference=fused_linear)
+    assert y.shape == (0, 8)
+
+
 def test_rope_cpu_is_apply_rope():
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(5, 7, 64, generator=gen)

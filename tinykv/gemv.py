@@ -226,7 +226,7 @@ def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the GEMV serves this product: a few rows, CPU tensors, a weight stored row by row
     in a format it reads."""
     return (x.numel() <= SMALL_BATCH * x.shape[-1] and weight.dtype in _AS_NUMPY
-            and x.device.type == "cpu" and weight.is_contiguous()
+            and x.is_cpu and weight.is_contiguous()
             and (weight.dtype != torch.float16 or F16C))
 
 
@@ -242,21 +242,23 @@ def linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     (the norm fused when it is an RMSNorm in float32), `reference` otherwise."""
     if not fits(x, weight):
         return reference(x, weight, bias, norm, residual, swiglu)
-    if x.dtype != torch.float32 or not (bias is None or _float32_rows(bias)):
+    if not (_float32_rows(x) and (bias is None or _float32_rows(bias))):
         return _in_float32(x, weight, bias, norm, residual, swiglu, reference)
-    if norm is not None and not (isinstance(norm, nn.RMSNorm) and _float32_rows(norm.weight)
-                                 and norm.eps is not None):
-        x, norm = norm(x), None  # another norm (LayerNorm): torch's, then the fused product
+    norm_weight, eps = _NONE_1D, np.float32(0.0)
+    if norm is not None:
+        if not (isinstance(norm, nn.RMSNorm) and _float32_rows(norm.weight) and norm.eps):
+            return linear_cpu(norm(x), weight, bias, None, residual, swiglu, reference=reference)
+        norm_weight, eps = norm.weight.detach().numpy(), np.float32(norm.eps)  # fused
     if residual is not None and not _float32_rows(residual):
         return residual + linear_cpu(x, weight, bias, norm, None, swiglu, reference=reference)
-    flat = x.view(-1, x.shape[-1])  # (B, K)
     n_out = weight.shape[0] // 2 if swiglu else weight.shape[0]
-    out = np.empty((flat.shape[0], n_out), np.float32)  # (B, M)
-    _run_linear(flat.numpy(), _NONE_1D if norm is None else norm.weight.detach().numpy(),
-                np.float32(0.0 if norm is None else norm.eps), _weight_array(weight),
+    rows = x.numel() // x.shape[-1]
+    out = np.empty((rows, n_out), np.float32)  # (B, M)
+    _run_linear(x.view(rows, x.shape[-1]).numpy(), norm_weight, eps, _weight_array(weight),
                 _NONE_1D if bias is None else bias.detach().numpy(),
-                _NONE_2D if residual is None else residual.view(-1, n_out).numpy(), swiglu, out)
-    return torch.from_numpy(out).view(*x.shape[:-1], n_out)
+                _NONE_2D if residual is None else residual.view(rows, n_out).numpy(), swiglu, out)
+    y = torch.from_numpy(out)
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], n_out)
 
 
 def _in_float32(x, weight, bias, norm, residual, swiglu, reference) -> torch.Tensor:
