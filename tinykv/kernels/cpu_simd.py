@@ -259,6 +259,42 @@ def code_planes(typingctx, v, bits):
     return Vec(types.int16, v.lanes * 8 // b)(v, bits), codegen
 
 
+@intrinsic(prefer_literal=True)
+def word_planes(typingctx, arr, first, second, nbytes, bits):
+    """Two keys' rows of codes (nbytes bytes each, a multiple of 32, from flat elements first and
+    second of a uint8 or int8 array) as 16-bit words -> int16 lanes (cpu_simd_ops.WORDS order):
+    per 32-byte chunk and field j (bits j*bits.. of each word; a signed byte for int8 codes), 16
+    lanes of the first key's words, then 16 of the second's. A dot of these with the query in the
+    same order (each 16 lanes twice, `twice`) sums pairs of lanes, so each key's products land in
+    its own 8 lanes: the first step of the transpose-and-add tree, done once per key pair instead
+    of once per query head, and the packed fields come out with a shift and a mask."""
+    n, b = _literal(nbytes), _literal(bits)
+    signed = arr.dtype.signed
+
+    def codegen(context, builder, sig, args):
+        data = _data(context, builder, sig.args[0], args[0])
+        words = ir.VectorType(ir.IntType(16), PIECE)
+
+        def const(c):
+            return _splat_piece(builder, ir.IntType(16)(c), PIECE)
+        out = []
+        for chunk in range(0, n, 32):
+            rows = []
+            for at in args[1:3]:
+                ptr = builder.gep(data, [builder.add(at, ir.IntType(64)(chunk))])
+                rows.append(builder.load(builder.bitcast(ptr, words.as_pointer()), align=1))
+            for j in range(16 // b):
+                for w in rows:
+                    if signed:  # int8 codes: the low byte shifted up, then both down with sign
+                        out.append(builder.ashr(builder.shl(w, const(8)) if j == 0 else w,
+                                                const(8)))
+                        continue
+                    x = builder.lshr(w, const(j * b)) if j else w
+                    out.append(builder.and_(x, const((1 << b) - 1)) if (j + 1) * b < 16 else x)
+        return _whole(builder, out)
+    return Vec(types.int16, n * 16 // b)(arr, first, second, nbytes, bits), codegen
+
+
 # ---- arithmetic: the operators, lane by lane, a scalar standing for every lane -----------------
 
 def _arith(name: str, float_op: str, int_op: str):

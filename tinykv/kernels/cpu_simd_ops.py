@@ -11,6 +11,7 @@ from .cpu_simd import (
     FLAGS,
     PIECE,
     Vec,
+    _data,
     _is_float,
     _literal,
     _map,
@@ -111,17 +112,31 @@ def segment_sum(typingctx, v, seg):
     return _segment(v, seg, "sum")
 
 
+# Orders of a row's channels, as the kernel reads packed codes. BYTES: plane j of byte i is channel
+# planes * i + j, planes side by side (values, and keys read one at a time). WORDS: codes read as
+# 16-bit words, two keys at a time (cpu_simd.word_planes): per 32-byte chunk c, field j of word i
+# is channel (16 c + i) * fields + j, fields = 2 * planes.
+BYTES, WORDS = 0, 1
+
+
+def _lane_channels(planes: int, D: int, order: int) -> list[int]:
+    """The channel each lane of a row holds, in that order."""
+    if order == BYTES:
+        n = D // planes
+        return [planes * i + j for j in range(planes) for i in range(n)]
+    fields = 2 * planes
+    return [(16 * c + i) * fields + j for c in range(D // (16 * fields)) for j in range(fields)
+            for i in range(16)]
+
+
 @intrinsic(prefer_literal=True)
-def stored_order(typingctx, v, planes, group_size, channels):
-    """Group values (scales of G groups of channels) -> one per channel, in the stored order of
-    packed codes: lane j * (channels / planes) + i holds the group of channel planes * i + j."""
-    pb, gs, D = _literal(planes), _literal(group_size), _literal(channels)
-    n = D // pb
+def stored_order(typingctx, v, planes, group_size, channels, order):
+    """Group values (scales of G groups of channels) -> one per channel, in a stored order."""
+    pb, gs, D, how = (_literal(x) for x in (planes, group_size, channels, order))
 
     def codegen(context, builder, sig, args):
-        return _pick(builder, [args[0]], [(0, (pb * i + j) // gs) for j in range(pb)
-                                          for i in range(n)], D)
-    return Vec(v.dtype, D)(v, planes, group_size, channels), codegen
+        return _pick(builder, [args[0]], [(0, c // gs) for c in _lane_channels(pb, D, how)], D)
+    return Vec(v.dtype, D)(v, planes, group_size, channels, order), codegen
 
 
 @intrinsic
@@ -170,27 +185,43 @@ def head_dots(typingctx, x, q_all, heads):
     return Vec(types.int32 if is_int else types.float32, PIECE * R)(x, q_all, heads), codegen
 
 
-@intrinsic
-def keys_major(typingctx, v):
-    """(heads x 16) lanes -> (16 x heads): a key's weights for every head side by side."""
-    def codegen(context, builder, sig, args):
-        R = sig.args[0].lanes // PIECE
-        return _pick(builder, [args[0]], [(0, r * PIECE + t) for t in range(PIECE)
-                                          for r in range(R)], R * PIECE)
-    return v(v), codegen
-
-
 @intrinsic(prefer_literal=True)
 def to_channel_order(typingctx, v, planes, channels):
-    """The inverse of to_stored_order."""
+    """The inverse of to_stored_order(v, planes, channels, BYTES)."""
     pb, D = _literal(planes), _literal(channels)
-    n = D // pb
 
     def codegen(context, builder, sig, args):
         heads = sig.args[0].lanes // D
-        return _pick(builder, [args[0]], [(0, r * D + c % pb * n + c // pb)
-                                          for r in range(heads) for c in range(D)], heads * D)
+        lane_of = {c: i for i, c in enumerate(_lane_channels(pb, D, BYTES))}
+        return _pick(builder, [args[0]], [(0, r * D + lane_of[c]) for r in range(heads)
+                                          for c in range(D)], heads * D)
     return v(v, planes, channels), codegen
+
+
+@intrinsic(prefer_literal=True)
+def spread_loads(typingctx, arr, first, stride, count, each):
+    """arr.flat[first + r * stride] over `each` lanes, for r < count (a key's weight per head,
+    from weights stored head by head): one broadcast load per head."""
+    R, k = _literal(count), _literal(each)
+
+    def codegen(context, builder, sig, args):
+        data = _data(context, builder, sig.args[0], args[0])
+        step = context.cast(builder, args[2], sig.args[2], types.intp)
+        pieces = []
+        for r in range(R):
+            at = builder.add(args[1], builder.mul(step, ir.IntType(64)(r)))
+            x = builder.load(builder.gep(data, [at]))
+            pieces += [_splat_piece(builder, x, PIECE)] * (k // PIECE)
+        return _whole(builder, pieces)
+    return Vec(arr.dtype, R * k)(arr, first, stride, count, each), codegen
+
+
+@intrinsic
+def twice(typingctx, v):
+    """Each 16-lane piece of v followed by a copy of itself (the query against word_planes)."""
+    def codegen(context, builder, sig, args):
+        return _whole(builder, [p for p in _pieces(builder, args[0]) for _ in range(2)])
+    return Vec(v.dtype, 2 * v.lanes)(v), codegen
 
 
 # ---- lane by lane -----------------------------------------------------------------------------
@@ -221,7 +252,7 @@ def round_int16(typingctx, v):
 
 @intrinsic
 def exp2(typingctx, v):
-    """2^x per lane for float32 x <= 0, as cpu_numerics.exp2 (floor -126, Taylor to f^7)."""
+    """2^x per lane for float32 x <= 127, as cpu_numerics.exp2 (floor -126, Taylor to f^7)."""
     def codegen(context, builder, sig, args):
         def one(p):
             n = p.type.count
@@ -269,17 +300,16 @@ def vmax(typingctx, a, b):
 
 
 @intrinsic(prefer_literal=True)
-def to_stored_order(typingctx, v, planes, channels):
-    """Per segment of `channels` lanes (a head): channel order -> the stored order of packed
-    codes (lane j * (channels / planes) + i holds channel planes * i + j)."""
-    pb, D = _literal(planes), _literal(channels)
-    n = D // pb
+def to_stored_order(typingctx, v, planes, channels, order):
+    """Per segment of `channels` lanes (a head): channel order -> a stored order."""
+    pb, D, how = _literal(planes), _literal(channels), _literal(order)
 
     def codegen(context, builder, sig, args):
         heads = sig.args[0].lanes // D
-        return _pick(builder, [args[0]], [(0, r * D + pb * i + j) for r in range(heads)
-                                          for j in range(pb) for i in range(n)], heads * D)
-    return v(v, planes, channels), codegen
+        lanes = _lane_channels(pb, D, how)
+        return _pick(builder, [args[0]], [(0, r * D + c) for r in range(heads) for c in lanes],
+                     heads * D)
+    return v(v, planes, channels, order), codegen
 
 
 @intrinsic
@@ -292,6 +322,20 @@ def log2(typingctx, v):
             return builder.call(fn, [p])
         return _map(builder, one, args[0])
     return v(v), codegen
+
+
+@intrinsic
+def any_above(typingctx, a, b):
+    """Whether any lane of a is greater than the same lane of b (float32): one test per vector."""
+    def codegen(context, builder, sig, args):
+        hits = [builder.fcmp_ordered(">", x, y) for x, y in zip(_pieces(builder, args[0]),
+                                                                 _pieces(builder, args[1]))]
+        hit = hits[0]
+        for h in hits[1:]:
+            hit = builder.or_(hit, h)
+        bits = builder.bitcast(hit, ir.IntType(hit.type.count))
+        return builder.icmp_unsigned("!=", bits, ir.Constant(bits.type, 0))
+    return types.boolean(a, b), codegen
 
 
 @intrinsic

@@ -1,0 +1,149 @@
+"""How the vector kernel (cpu_vector.py) reads rows of a pool: 16 keys into a vector of scores
+per query head (`tile_scorer`), a value row into float32 lanes (`value_reader`), scales into
+lanes. Each returns a function specialized, at compile time, to one stored format.
+
+Integer keys whose rows are a multiple of 32 bytes are read two at a time as 16-bit words
+(cpu_simd.word_planes), the query permuted once to match (cpu_simd_ops.WORDS): the dot products of
+a key pair leave 8 partial sums per key, so the transpose-and-add tree starts one step shorter and
+that step is paid once per key pair, not once per query head. Other keys go one at a time.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .cpu_args import SHARED_SCALES, TOKEN_SCALES, PoolFormat
+from .cpu_numerics import HALF, INTEGER, njit
+from .cpu_simd import code_planes, half_to_float, load, to_float, to_int16, word_planes
+from .cpu_simd_ops import head_dots, pair, repeat, spread
+
+
+def planes(fmt: PoolFormat) -> int:
+    """Codes per stored element (cpu_plain.planes, for Python)."""
+    return 8 // fmt.bits if fmt.code == INTEGER else 1
+
+
+def scale_loader(code: int):
+    """load(values, at, n) -> n consecutive scales (or zeros) as float32 lanes."""
+    if code == HALF:
+        @njit(forceinline=True)
+        def scales(values, at, n):
+            return half_to_float(load(values, at, n))
+    else:
+        @njit(forceinline=True)
+        def scales(values, at, n):
+            return load(values, at, n) * np.float32(1.0)
+    return scales
+
+
+def in_pairs(fmt: PoolFormat, D: int) -> bool:
+    """Whether integer keys are read two at a time as words (rows a multiple of 32 bytes)."""
+    return fmt.code == INTEGER and D * fmt.bits % 256 == 0
+
+
+def _key_reader(fmt: PoolFormat, R: int, D: int):
+    """key(codes, row, q_all): a key's products with R query heads, summed to 16 lanes a head
+    (int32 for integer codes: exact; float32 for fp16); where keys go in pairs (in_pairs), keys
+    row and row + 1, 8 lanes each."""
+    width, bits = D // planes(fmt), fmt.bits
+    lanes = 2 * R * D  # the query against a key pair
+    if in_pairs(fmt, D):
+        @njit(forceinline=True)
+        def key(codes, row, q_words):  # q_words: the query as `twice` stored it
+            x = word_planes(codes, row * width, (row + 1) * width, width, bits)  # (2D,) WORDS
+            return head_dots(x, load(q_words, 0, lanes), R)
+    elif fmt.code == HALF:
+        @njit(forceinline=True)
+        def key(codes, row, q_all):
+            x = half_to_float(load(codes, row * width, D))  # (D,)
+            return head_dots(x, q_all, R)
+    elif fmt.bits == 8:
+        @njit(forceinline=True)
+        def key(codes, row, q_all):
+            c16 = to_int16(load(codes, row * width, width))  # (D,)
+            return head_dots(c16, q_all, R)
+    else:
+        @njit(forceinline=True)
+        def key(codes, row, q_all):
+            c16 = code_planes(load(codes, row * width, width), bits)  # (D,) stored order
+            return head_dots(c16, q_all, R)
+    return key
+
+
+def value_reader(fmt: PoolFormat, D: int, groups: int):
+    """value(codes, row, scales, zeros, at, scale, zero): a value row as D float32 lanes in stored
+    order: its codes less zero times scale where scales are per group (at: the token's first
+    scale) or per block (scale, zero: (D,) lanes), the raw codes where the scale is per token
+    (it goes into the weight) or absent (fp16)."""
+    n_planes, bits = planes(fmt), fmt.bits
+    width, per = D // n_planes, D // groups // n_planes  # per: a group's run in one plane
+    load_scales = scale_loader(fmt.scale_code)
+    by_group = fmt.scales == TOKEN_SCALES and groups > 1
+    by_block = fmt.scales == SHARED_SCALES
+    offset, has_zero = np.float32(fmt.offset), fmt.has_zero
+    if fmt.code == HALF:
+        @njit(forceinline=True)
+        def codes_of(codes, row):
+            return half_to_float(load(codes, row * width, D))
+    elif bits == 8:
+        @njit(forceinline=True)
+        def codes_of(codes, row):
+            return to_float(to_int16(load(codes, row * width, width)))
+    else:
+        @njit(forceinline=True)
+        def codes_of(codes, row):
+            return to_float(code_planes(load(codes, row * width, width), bits))
+
+    @njit(forceinline=True)
+    def value(codes, row, scales, zeros, at, scale, zero):
+        x = codes_of(codes, row)
+        if by_block:
+            return (x - zero) * scale
+        if not by_group:
+            return x
+        s = repeat(spread(load_scales(scales, at, groups), per), n_planes)
+        if has_zero:
+            return (x - repeat(spread(load_scales(zeros, at, groups), per), n_planes)) * s
+        return (x - offset) * s
+    return value
+
+
+def tile_scorer(fmt: PoolFormat, R: int, D: int):
+    """tile_scores(codes, row, q_all): (R x 16) float32 dot products of R query heads with keys
+    row .. row + 15 (q_all: the query as the key reader takes it)."""
+    key = _key_reader(fmt, R, D)
+    if fmt.code == INTEGER:
+        @njit(forceinline=True)
+        def as_float(dots):
+            return to_float(dots)
+    else:
+        @njit(forceinline=True)
+        def as_float(dots):
+            return dots
+
+    if in_pairs(fmt, D):
+        @njit(forceinline=True)
+        def tile_scores(codes, row, q_all):
+            """(R x 16) float32 dot products of the R heads with keys row .. row + 15: eight key
+            pairs of 8 partial sums, then three steps of the transpose-and-add tree (`pair`)."""
+            a = pair(pair(key(codes, row, q_all), key(codes, row + 2, q_all), 8),
+                     pair(key(codes, row + 4, q_all), key(codes, row + 6, q_all), 8), 4)
+            b = pair(pair(key(codes, row + 8, q_all), key(codes, row + 10, q_all), 8),
+                     pair(key(codes, row + 12, q_all), key(codes, row + 14, q_all), 8), 4)
+            return as_float(pair(a, b, 2))
+    else:
+        @njit(forceinline=True)
+        def tile_scores(codes, row, q_all):
+            """(R x 16) float32 dot products of the R heads with keys row .. row + 15, by the
+            tree: four steps of `pair` turn 16 vectors of 16 partial sums into 16 sums."""
+            a = pair(pair(pair(key(codes, row, q_all), key(codes, row + 1, q_all), 16),
+                          pair(key(codes, row + 2, q_all), key(codes, row + 3, q_all), 16), 8),
+                     pair(pair(key(codes, row + 4, q_all), key(codes, row + 5, q_all), 16),
+                          pair(key(codes, row + 6, q_all), key(codes, row + 7, q_all), 16), 8), 4)
+            b = pair(pair(pair(key(codes, row + 8, q_all), key(codes, row + 9, q_all), 16),
+                          pair(key(codes, row + 10, q_all), key(codes, row + 11, q_all), 16), 8),
+                     pair(pair(key(codes, row + 12, q_all), key(codes, row + 13, q_all), 16),
+                          pair(key(codes, row + 14, q_all), key(codes, row + 15, q_all), 16), 8),
+                     4)
+            return as_float(pair(a, b, 2))
+    return tile_scores
