@@ -265,7 +265,7 @@ def word_planes(typingctx, arr, first, second, nbytes, bits):
     second of a uint8 or int8 array) as 16-bit words -> int16 lanes (cpu_simd_ops.WORDS order):
     per 32-byte chunk and field j (bits j*bits.. of each word; a signed byte for int8 codes), 16
     lanes of the first key's words, then 16 of the second's. A dot of these with the query in the
-    same order (each 16 lanes twice, `twice`) sums pairs of lanes, so each key's products land in
+    same order (each 16 lanes twice: piece_copies) sums pairs of lanes: each key's products land in
     its own 8 lanes: the first step of the transpose-and-add tree, done once per key pair instead
     of once per query head, and the packed fields come out with a shift and a mask."""
     n, b = _literal(nbytes), _literal(bits)

@@ -112,10 +112,9 @@ def segment_sum(typingctx, v, seg):
     return _segment(v, seg, "sum")
 
 
-# Orders of a row's channels, as the kernel reads packed codes. BYTES: plane j of byte i is channel
-# planes * i + j, planes side by side (values, and keys read one at a time). WORDS: codes read as
-# 16-bit words, two keys at a time (cpu_simd.word_planes): per 32-byte chunk c, field j of word i
-# is channel (16 c + i) * fields + j, fields = 2 * planes.
+# Orders of a row's channels as the kernel reads packed codes. BYTES: plane j of byte i is channel
+# planes * i + j, planes side by side. WORDS (keys read in pairs, cpu_simd.word_planes): per
+# 32-byte chunk c, field j of 16-bit word i is channel (16 c + i) * fields + j, fields = 2 planes.
 BYTES, WORDS = 0, 1
 
 
@@ -199,29 +198,32 @@ def to_channel_order(typingctx, v, planes, channels):
 
 
 @intrinsic(prefer_literal=True)
-def spread_loads(typingctx, arr, first, stride, count, each):
-    """arr.flat[first + r * stride] over `each` lanes, for r < count (a key's weight per head,
-    from weights stored head by head): one broadcast load per head."""
-    R, k = _literal(count), _literal(each)
+def spread_loads(typingctx, arr, first, stride, count, planes, group_size, channels):
+    """A key's weight per head and scale group over the head's `channels` lanes (BYTES order):
+    lanes of head r, group g get arr.flat[first + (r * G + g) * stride], G groups of channels."""
+    R, pb, gs, D = (_literal(x) for x in (count, planes, group_size, channels))
+    groups = [_lane_channels(pb, D, BYTES)[i] // gs for i in range(0, D, PIECE)]  # per piece
 
     def codegen(context, builder, sig, args):
         data = _data(context, builder, sig.args[0], args[0])
         step = context.cast(builder, args[2], sig.args[2], types.intp)
         pieces = []
         for r in range(R):
-            at = builder.add(args[1], builder.mul(step, ir.IntType(64)(r)))
-            x = builder.load(builder.gep(data, [at]))
-            pieces += [_splat_piece(builder, x, PIECE)] * (k // PIECE)
+            for g in groups:
+                at = builder.add(args[1], builder.mul(step, ir.IntType(64)(r * (D // gs) + g)))
+                pieces.append(_splat_piece(builder, builder.load(builder.gep(data, [at])), PIECE))
         return _whole(builder, pieces)
-    return Vec(arr.dtype, R * k)(arr, first, stride, count, each), codegen
+    return Vec(arr.dtype, R * D)(arr, first, stride, count, planes, group_size, channels), codegen
 
 
-@intrinsic
-def twice(typingctx, v):
-    """Each 16-lane piece of v followed by a copy of itself (the query against word_planes)."""
+@intrinsic(prefer_literal=True)
+def piece_copies(typingctx, v, times):
+    """Each 16-lane piece of v `times` times in a row."""
+    k = _literal(times)
+
     def codegen(context, builder, sig, args):
-        return _whole(builder, [p for p in _pieces(builder, args[0]) for _ in range(2)])
-    return Vec(v.dtype, 2 * v.lanes)(v), codegen
+        return _whole(builder, [p for p in _pieces(builder, args[0]) for _ in range(k)])
+    return Vec(v.dtype, k * v.lanes)(v, times), codegen
 
 
 # ---- lane by lane -----------------------------------------------------------------------------
@@ -328,11 +330,10 @@ def log2(typingctx, v):
 def any_above(typingctx, a, b):
     """Whether any lane of a is greater than the same lane of b (float32): one test per vector."""
     def codegen(context, builder, sig, args):
-        hits = [builder.fcmp_ordered(">", x, y) for x, y in zip(_pieces(builder, args[0]),
-                                                                 _pieces(builder, args[1]))]
-        hit = hits[0]
-        for h in hits[1:]:
-            hit = builder.or_(hit, h)
+        hit = None
+        for x, y in zip(_pieces(builder, args[0]), _pieces(builder, args[1])):
+            hit = builder.fcmp_ordered(">", x, y) if hit is None else \
+                builder.or_(hit, builder.fcmp_ordered(">", x, y))
         bits = builder.bitcast(hit, ir.IntType(hit.type.count))
         return builder.icmp_unsigned("!=", bits, ir.Constant(bits.type, 0))
     return types.boolean(a, b), codegen

@@ -44,6 +44,7 @@ from .cpu_simd_ops import (
     exp2,
     first_keys,
     log2,
+    piece_copies,
     repeat,
     round_int16,
     segment_absmax,
@@ -54,11 +55,17 @@ from .cpu_simd_ops import (
     stored_order,
     to_channel_order,
     to_stored_order,
-    twice,
     vmax,
     where_positive,
 )
-from .cpu_vector_rows import in_pairs, planes, scale_loader, tile_scorer, value_reader
+from .cpu_vector_rows import (
+    in_pairs,
+    planes,
+    scale_loader,
+    tile_scorer,
+    value_reader,
+    weights_by_group,
+)
 
 Q16_MAX = np.float32(32767.0)  # the int16 query's largest code (as cpu_plain)
 TILE = 16  # keys scored together: one lane each in the score vector of a head
@@ -66,6 +73,7 @@ TILE = 16  # keys scored together: one lane each in the score vector of a head
 # weights 2^(score - m) stay below 2^LAZY (no float32 sum of them overflows), and most tiles
 # skip the rescale (a horizontal max, 2^x and a multiply of every sum) altogether.
 LAZY = np.float32(8.0)
+AHEAD = 2  # blocks between the one read and the one prefetched: one is too close to hide DRAM
 
 
 def takes(kf: PoolFormat, vf: PoolFormat, R: int, D: int, BS: int, k_groups: int) -> bool:
@@ -88,12 +96,17 @@ def vector_kernel(kf: PoolFormat, vf: PoolFormat, R: int, D: int, k_groups: int,
     head, D channels, scale groups of K and V); the arguments and work items are
     cpu_plain.attention_kernel's."""
     RD, R16 = R * D, R * TILE  # lanes: R heads x D channels, R heads x 16 keys
-    k_int, v_token = kf.code == INTEGER, vf.scales == TOKEN_SCALES
+    k_int = kf.code == INTEGER
     k_token, k_shared = kf.scales == TOKEN_SCALES, kf.scales == SHARED_SCALES
     v_shared = vf.scales == SHARED_SCALES
     k_has_zero, k_offset = kf.has_zero, np.float32(kf.offset)
     v_has_zero, v_offset = vf.has_zero, np.float32(vf.offset)
-    token_weights = vf.code == INTEGER and v_token and v_groups == 1  # p * scale per key
+    # Per-token value scales go into the weights: p * scale per key (and scale group: then a
+    # key has a weight per head and group, each 16-lane piece of a value row in one group).
+    token_weights = weights_by_group(vf, D, v_groups)
+    G = v_groups if token_weights else 1  # weights per head and key
+    G16, RG16 = G * TILE, R * G * TILE
+    w_gs = D // G  # channels a weight covers
     tile_scores, value = tile_scorer(kf, R, D), value_reader(vf, D, v_groups)
     k_pairs = in_pairs(kf, D)
     k_order = WORDS if k_pairs else BYTES  # the order of the query's channels (cpu_simd_ops)
@@ -131,7 +144,7 @@ def vector_kernel(kf: PoolFormat, vf: PoolFormat, R: int, D: int, k_groups: int,
         def key_query(q16, q_words):
             """The int16 query as word_planes' dot partner, in memory: each dot reads it there
             (an operand of the multiply-add) instead of spilling and rebuilding it per tile."""
-            store(q_words, 0, twice(q16))
+            store(q_words, 0, piece_copies(q16, 2))
             return q_words
     else:
         @njit(forceinline=True)
@@ -167,24 +180,28 @@ def vector_kernel(kf: PoolFormat, vf: PoolFormat, R: int, D: int, k_groups: int,
     def attend_item(q, q_at, sm_scale, row, n_keys, lo, hi, h, H, BS, k, v, buf, q_words, o,
                     o_at, lse, lse_at):
         """cpu_plain._attend_item in vectors: q and o at flat elements q_at, o_at (R x D), lse
-        at lse_at (R,); buf holds a tile's (R x 16) weights then the (R x D) value sums."""
+        at lse_at (R,); buf holds a tile's (R x G x 16) weights then the (R x D) value sums."""
         k_codes, k_scales, k_zeros, kb_stride, kh_stride, kt_stride = k[:6]
         v_codes, v_scales, v_zeros, vb_stride, vh_stride, vt_stride = v[:6]
         q_all, q_base, q_sum, q_step = query(q, q_at, sm_scale, q_words)
         m = splat(-np.inf, R)
         # Sums of p (and of p * scale * zero, per-token value scales) per head and key lane,
         # added up once at the end: a tile pays a multiply-add, not a horizontal sum.
-        l16, z16_acc = splat(0.0, R16), splat(0.0, R16)
-        store(buf, R16, splat(0.0, RD))  # the value sums stay in memory between tiles: scoring
+        l16, z16_acc = splat(0.0, R16), splat(0.0, RG16)
+        store(buf, RG16, splat(0.0, RD))  # the value sums stay in memory between tiles: scoring
         bias = splat(0.0, R)  # a tile has every register, and a tile loads them once
         v_scale, v_zero = splat(1.0, D), splat(0.0, D)
         folded = False
+        for j in range(lo, min(lo + AHEAD, hi)):  # the first blocks, before the loop asks
+            if row[j] >= 0:
+                prefetch_block(k, row[j], h, H, BS, k_row, k_has_zero)
+                prefetch_block(v, row[j], h, H, BS, v_row, v_has_zero)
         for j in range(lo, hi):
             blk = row[j]
             if blk < 0:  # the block is in another pool
                 continue
-            nxt = row[j + 1] if j + 1 < hi else -1
-            if nxt >= 0:  # the next block's K and V start coming while this one is read
+            nxt = row[j + AHEAD] if j + AHEAD < hi else -1
+            if nxt >= 0:  # a later block's K and V start coming while this one is read
                 prefetch_block(k, nxt, h, H, BS, k_row, k_has_zero)
                 prefetch_block(v, nxt, h, H, BS, v_row, v_has_zero)
             if k_shared and not (folded and kb_stride == 0):  # static: fold once
@@ -211,27 +228,31 @@ def vector_kernel(kf: PoolFormat, vf: PoolFormat, R: int, D: int, k_groups: int,
                     top = vmax(m, segment_max(score, TILE))
                     alpha = exp2(m - top)
                     l16 = l16 * spread(alpha, TILE)
-                    z16_acc = z16_acc * spread(alpha, TILE)
-                    store(buf, R16, load(buf, R16, RD) * spread(alpha, D))
+                    z16_acc = z16_acc * spread(alpha, G16)
+                    store(buf, RG16, load(buf, RG16, RD) * spread(alpha, D))
                     m = top
                 p = exp2(score - spread(m, TILE))  # (R x 16), each at most 2^LAZY
                 l16 = l16 + p
                 v_at = blk * vb_stride + h * vh_stride + t0 * vt_stride
                 if token_weights:  # sum p (code - zero) scale = sum (p scale) code - ...
-                    p = p * repeat(v_scales16(v_scales, v_at, TILE), R)
+                    s_g = to_stored_order(v_scales16(v_scales, v_at, G16), G, G16, BYTES)
+                    w = piece_copies(p, G) * repeat(s_g, R)  # (R x G x 16)
                     if zero_term:
-                        vz = repeat(v_scales16(v_zeros, v_at, TILE), R) if v_has_zero else \
-                            splat(v_offset, R16)
-                        z16_acc = z16_acc + p * vz
-                store(buf, 0, p)  # (R x 16): read back a key at a time, a broadcast per head
-                acc = load(buf, R16, RD)
+                        z_g = to_stored_order(v_scales16(v_zeros, v_at, G16), G, G16, BYTES) \
+                            if v_has_zero else splat(v_offset, G16)
+                        z16_acc = z16_acc + w * repeat(z_g, R)
+                    store(buf, 0, w)  # read back a key at a time, a broadcast per head, group
+                else:
+                    store(buf, 0, p)
+                acc = load(buf, RG16, RD)
                 for t in range(nt):
                     x = value(v_codes, first_row + t0 + t, v_scales, v_zeros, v_at + t * vt_stride,
                               v_scale, v_zero)  # (D,)
-                    acc = acc + spread_loads(buf, t, TILE, R, D) * repeat(x, R)
-                store(buf, R16, acc)
+                    acc = acc + spread_loads(buf, t, TILE, R, v_planes, w_gs, D) * repeat(x, R)
+                store(buf, RG16, acc)
         l = segment_sum(l16, TILE)
-        out = (load(buf, R16, RD) - spread(segment_sum(z16_acc, TILE), D)) * \
+        store(buf, 0, segment_sum(z16_acc, TILE))  # (R x G): p scale zero summed
+        out = (load(buf, RG16, RD) - spread_loads(buf, 0, 1, R, v_planes, w_gs, D)) * \
             spread(np.float32(1.0) / l, D)
         store(o, o_at, where_positive(spread(l, D), to_channel_order(out, v_planes, D),
                                       splat(0.0, RD)))
@@ -241,7 +262,7 @@ def vector_kernel(kf: PoolFormat, vf: PoolFormat, R: int, D: int, k_groups: int,
     def attend_items(first, last, q, q_seq, q_pos, table, ctx_lens, k, v, H, BS, sm_scale, o,
                      lse):
         n_split, N, Hq, _ = o.shape
-        buf = np.empty(R16 + RD, np.float32)  # weights of a tile, value sums
+        buf = np.empty(RG16 + RD, np.float32)  # weights of a tile, value sums
         q_words = np.empty(2 * RD, np.int16)  # the query of keys read in pairs
         for item in range(first, last):
             n, h, split = item // (H * n_split), item // n_split % H, item % n_split

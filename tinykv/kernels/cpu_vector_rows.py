@@ -49,7 +49,7 @@ def _key_reader(fmt: PoolFormat, R: int, D: int):
     lanes = 2 * R * D  # the query against a key pair
     if in_pairs(fmt, D):
         @njit(forceinline=True)
-        def key(codes, row, q_words):  # q_words: the query as `twice` stored it
+        def key(codes, row, q_words):  # q_words: the query as piece_copies stored it
             x = word_planes(codes, row * width, (row + 1) * width, width, bits)  # (2D,) WORDS
             return head_dots(x, load(q_words, 0, lanes), R)
     elif fmt.code == HALF:
@@ -70,15 +70,22 @@ def _key_reader(fmt: PoolFormat, R: int, D: int):
     return key
 
 
+def weights_by_group(fmt: PoolFormat, D: int, groups: int) -> bool:
+    """Whether per-token value scales go into the weights (one per head and scale group): integer
+    codes whose groups each fill whole 16-lane pieces of a row in stored order."""
+    return fmt.code == INTEGER and fmt.scales == TOKEN_SCALES \
+        and D // groups % (16 * planes(fmt)) == 0
+
+
 def value_reader(fmt: PoolFormat, D: int, groups: int):
     """value(codes, row, scales, zeros, at, scale, zero): a value row as D float32 lanes in stored
-    order: its codes less zero times scale where scales are per group (at: the token's first
-    scale) or per block (scale, zero: (D,) lanes), the raw codes where the scale is per token
-    (it goes into the weight) or absent (fp16)."""
+    order: its codes less zero times scale where scales are per group and not in the weights
+    (at: the token's first scale) or per block (scale, zero: (D,) lanes), the raw codes where
+    the scale goes into the weight (weights_by_group) or is absent (fp16)."""
     n_planes, bits = planes(fmt), fmt.bits
     width, per = D // n_planes, D // groups // n_planes  # per: a group's run in one plane
     load_scales = scale_loader(fmt.scale_code)
-    by_group = fmt.scales == TOKEN_SCALES and groups > 1
+    by_group = fmt.scales == TOKEN_SCALES and groups > 1 and not weights_by_group(fmt, D, groups)
     by_block = fmt.scales == SHARED_SCALES
     offset, has_zero = np.float32(fmt.offset), fmt.has_zero
     if fmt.code == HALF:
