@@ -12,6 +12,7 @@ import torch
 from hf_tiny import make_hf_model
 
 from tinykv.bench import roofline as rl
+from tinykv.bench.common import time_in_turn
 from tinykv.cache import make_cache
 from tinykv.model import Transformer
 
@@ -163,7 +164,7 @@ def test_decode_steps_taken_in_turn():
     calls = []
     steps_of = {name: (lambda name=name: calls.append(name)) for name in ("fp16", "int8")}
     held_of = {"fp16": lambda: 2.0, "int8": lambda: 1.0}
-    got = rl._time_steps(steps_of, held_of, 3)
+    got = time_in_turn(steps_of, held_of, 3)
     assert calls == ["fp16", "int8"] * 4  # one untimed round, then 3 timed
     assert [len(got[n][0]) for n in ("fp16", "int8")] == [3, 3]
     assert got["fp16"][1] == 2.0 and got["int8"][1] == 1.0

@@ -1,5 +1,5 @@
 """What every benchmark shares: the machine it ran on, Markdown tables, prompts cut from a
-text."""
+text, timing in turn."""
 
 from __future__ import annotations
 
@@ -7,7 +7,9 @@ import importlib.metadata
 import importlib.util
 import os
 import platform
+import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -52,3 +54,21 @@ def repeat_to(ids: list[int], n: int) -> list[int]:
         raise ValueError("the benchmark text is empty")
     reps = -(-n // len(ids))
     return (ids * reps)[:max(n, len(ids))]
+
+
+def time_in_turn(steps_of: dict[str, Callable[[], None]],
+                 held_of: dict[str, Callable[[], float]], steps: int) -> dict[str, tuple]:
+    """name -> (seconds of each of `steps` calls of steps_of[name], the mean of held_of[name]()
+    (KV bytes in the cache) after each), the names taken in turn every round, after one untimed
+    call each (JIT, allocator)."""
+    for step in steps_of.values():
+        step()
+    times = {name: [] for name in steps_of}
+    kv_bytes = {name: [] for name in steps_of}
+    for _ in range(steps):
+        for name, step in steps_of.items():
+            t0 = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - t0)
+            kv_bytes[name].append(held_of[name]())
+    return {name: (times[name], statistics.mean(kv_bytes[name])) for name in steps_of}

@@ -39,7 +39,7 @@ from ..pools import KVPools
 from ..spec import KVSpec
 from . import attention
 from .charts import roofline_charts
-from .common import machine_info, md_table
+from .common import machine_info, md_table, time_in_turn
 from .e2e import DEFAULT_SPECS, HF_QUANT, KIVI
 
 MODES = {
@@ -209,7 +209,7 @@ def decode_tinykv(model: Transformer, specs: list[str], batch: int, context: int
         def held(cache: PagedKVCache) -> float:
             return sum(cache.slots(s) for s in seq_ids) * cache.bytes_per_token
 
-        times = _time_steps({s: partial(step, c) for s, c in caches.items()},
+        times = time_in_turn({s: partial(step, c) for s, c in caches.items()},
                             {s: partial(held, c) for s, c in caches.items()}, steps)
         return {s: (*times[s], _time_parts(partial(step, caches[s]), steps)) for s in specs}
 
@@ -230,24 +230,6 @@ def _time_parts(step: Callable[[], None], steps: int) -> dict:
         total = time.perf_counter() - t0
     parts = {k: 1e3 * acc[k] / steps for k in PARTS[:3]}
     return parts | {"rest": 1e3 * total / steps - sum(parts.values())}
-
-
-def _time_steps(steps_of: dict[str, Callable[[], None]], held_of: dict[str, Callable[[], float]],
-                steps: int) -> dict[str, tuple]:
-    """name -> (seconds of each of `steps` calls of steps_of[name], the mean of held_of[name]()
-    (KV bytes in the cache) after each), the names taken in turn every round, after one untimed
-    call each (JIT, allocator)."""
-    for step in steps_of.values():
-        step()
-    times = {name: [] for name in steps_of}
-    kv_bytes = {name: [] for name in steps_of}
-    for _ in range(steps):
-        for name, step in steps_of.items():
-            t0 = time.perf_counter()
-            step()
-            times[name].append(time.perf_counter() - t0)
-            kv_bytes[name].append(held_of[name]())
-    return {name: (times[name], statistics.mean(kv_bytes[name])) for name in steps_of}
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
@@ -296,7 +278,7 @@ def decode_hf(hf, batch: int, context: int, steps: int, quantized: bool) -> tupl
                     out += tensor_bytes(getattr(lay, name))
         return out
 
-    return (*_time_steps({"hf": step}, {"hf": held}, steps)["hf"], None)
+    return (*time_in_turn({"hf": step}, {"hf": held}, steps)["hf"], None)
 
 
 def ratios(rows: list[dict]) -> list[dict]:
