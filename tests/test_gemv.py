@@ -37,7 +37,9 @@ def threads(request):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, gemv.SMALL_BATCH, gemv.SMALL_BATCH + 3])
+# x holds 2 x rows activation rows: up to TILE_BATCH // 2 the float32 tiles take them all
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, gemv.SMALL_BATCH, gemv.SMALL_BATCH + 3, 13,
+                                  gemv.TILE_BATCH // 2, gemv.TILE_BATCH // 2 + 1])
 def test_linear_cpu_within_the_float32_bound(dtype, rows, threads):
     if dtype == torch.float16 and not gemv.F16C:
         pytest.skip("float16 weights need F16C for the GEMV")
@@ -111,8 +113,11 @@ def test_rope_cpu_is_apply_rope():
 
 def test_gemv_is_used_for_a_few_rows_and_torch_beyond():
     w = torch.randn(8, 16)
-    assert gemv.fits(torch.randn(1, 16), w) and gemv.fits(torch.randn(gemv.SMALL_BATCH, 16), w)
-    assert not gemv.fits(torch.randn(gemv.SMALL_BATCH + 1, 16), w)
+    assert gemv.fits(torch.randn(1, 16), w) and gemv.fits(torch.randn(gemv.TILE_BATCH, 16), w)
+    assert not gemv.fits(torch.randn(gemv.TILE_BATCH + 1, 16), w)
+    half = w.to(torch.bfloat16)  # half weights widen one by one: fewer rows pay
+    assert gemv.fits(torch.randn(gemv.SMALL_BATCH, 16), half)
+    assert not gemv.fits(torch.randn(gemv.SMALL_BATCH + 1, 16), half)
     assert not gemv.fits(torch.randn(1, 16), w.t().contiguous().t())  # columns stored first
     assert not gemv.fits(torch.randn(1, 16, dtype=torch.float64), w.double())
 

@@ -6,8 +6,11 @@ its linear layers are matrix-vector products bound by the bytes of W, not by ari
 `F.linear` takes the general matmul path for them and reads the weights well below the machine's
 bandwidth. The kernel here walks W in blocks of `ROWS` output rows: each block streams from memory
 once, its rows in parallel (so the prefetchers see a few sequential streams), and every activation
-row of the batch is multiplied by the block while it sits in L1. Prefill chunks and large batches,
-where a matmul is bound by arithmetic, stay with torch (`SMALL_BATCH`).
+row of the batch is multiplied by the block while it sits in L1. Float32 weights go 4 rows by 4
+activation rows at a time in vector registers (gemv_tiles.py), which keeps a batch of up to
+`TILE_BATCH` rows bound by the weights' bytes; half weights widen element by element in a scalar
+loop (`SMALL_BATCH`). Prefill chunks and large batches, where a matmul is bound by arithmetic, stay
+with torch.
 
 `select_linear(device, dtype)` chooses once, when the model is loaded (model.py calls it), like the
 attention kernels: `linear_cpu` where numba is installed and the weights are on the CPU, else
@@ -21,21 +24,26 @@ is. `rms_norm_cpu` is one pass over each row (float32 rows; anything else goes t
 
 from __future__ import annotations
 
+import hashlib
 import platform
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .gemv_tiles import tiles_block
+from .kernels.cpu_numerics import kernel
+
 try:
     import numba
     from llvmlite import binding as llvm
     from llvmlite import ir
     from numba import njit, prange, types
-    from numba.extending import intrinsic
+    from numba.extending import intrinsic, overload
 
     AVAILABLE = True
     # LLVM widens half to float with one F16C instruction; without F16C it would call a runtime
@@ -56,6 +64,7 @@ except ImportError:  # no numba: every product goes to torch
 ROWS = 8  # output rows per pass over x: 8 weight streams, 8 vector accumulators (4: slower,
 # bench profile's linear alone)
 SMALL_BATCH = 8  # activation rows up to which the GEMV beats torch's matmul (bench profile)
+TILE_BATCH = 64  # the same for float32 weights, read in tiles (gemv_tiles.py)
 # Weight dtype -> the numpy type the kernel receives it as. The element type tells the kernel the
 # format (`_widen`): half weights travel as bits, bf16 as int16 and fp16 as uint16.
 _AS_NUMPY = {torch.float32: np.float32, torch.bfloat16: np.int16, torch.float16: np.uint16}
@@ -115,8 +124,26 @@ def _gemv_block(x, w, y, block):
 
 
 _FASTMATH = {"reassoc", "contract", "arcp", "nsz"}  # sums may be reordered; nans still propagate
+# numba's disk cache watches only the file that defines a function: the linear kernels inline
+# gemv_tiles.py too (and kernels/cpu_simd*.py, which kernel()'s key covers), so theirs hashes both
+_SOURCES = hashlib.sha256(b"".join((Path(__file__).parent / name).read_bytes()
+                                   for name in ("gemv.py", "gemv_tiles.py"))).hexdigest()
+
+
+def _block(x, w, y, block):
+    """_gemv_block's contract: float32 weights in 4 x 4 tiles of registers (gemv_tiles.py), half
+    weights by the scalar loop (they widen element by element)."""
+    _gemv_block(x, w, y, block)
+
+
 if AVAILABLE:
-    _block = njit(fastmath=_FASTMATH, inline="always", cache=True)(_gemv_block)
+    _scalar_block = njit(fastmath=_FASTMATH, inline="always", cache=True)(_gemv_block)
+
+    @overload(_block, inline="always")
+    def _block_for(x, w, y, block):
+        if w.dtype == types.float32:
+            return lambda x, w, y, block: tiles_block(x, w, y, block * ROWS, ROWS)
+        return lambda x, w, y, block: _scalar_block(x, w, y, block)
 
     @njit(fastmath=_FASTMATH, cache=True)
     def _rms_norm_rows(x, weight, eps, out):
@@ -155,7 +182,7 @@ if AVAILABLE:
                     v = residual[b, j] + v
                 out[b, j] = v
 
-    @njit(fastmath=_FASTMATH, cache=True)
+    @kernel(("gemv", _SOURCES), fastmath=_FASTMATH)
     def _linear_serial(x, norm_weight, eps, w, bias, residual, swiglu, out):
         """out = act(norm(x) @ w^T + bias) + residual (`_epilogue`), in one call."""
         x = _normalized(x, norm_weight, eps)
@@ -164,7 +191,7 @@ if AVAILABLE:
             _block(x, w, y, block)
         _epilogue(y, bias, residual, swiglu, out)
 
-    @njit(fastmath=_FASTMATH, cache=True, parallel=True)
+    @kernel(("gemv", _SOURCES), fastmath=_FASTMATH, parallel=True)
     def _linear_parallel(x, norm_weight, eps, w, bias, residual, swiglu, out):
         """_linear_serial with the weight's output rows split between threads."""
         x = _normalized(x, norm_weight, eps)
@@ -225,7 +252,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the GEMV serves this product: a few rows, CPU tensors, a weight stored row by row
     in a format it reads."""
-    return (x.numel() <= SMALL_BATCH * x.shape[-1] and weight.dtype in _AS_NUMPY
+    batch = TILE_BATCH if weight.dtype == torch.float32 else SMALL_BATCH
+    return (x.numel() <= batch * x.shape[-1] and weight.dtype in _AS_NUMPY
             and x.is_cpu and weight.is_contiguous()
             and (weight.dtype != torch.float16 or F16C))
 
