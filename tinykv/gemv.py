@@ -65,6 +65,8 @@ ROWS = 8  # output rows per pass over x: 8 weight streams, 8 vector accumulators
 # bench profile's linear alone)
 SMALL_BATCH = 8  # activation rows up to which the GEMV beats torch's matmul (bench profile)
 TILE_BATCH = 64  # the same for float32 weights, read in tiles (gemv_tiles.py)
+TILE_MIN_ROWS = 3  # fewer rows: the scalar loop, whose 8 weight streams read faster than a tile
+# whose activation rows repeat one row (measured over the model's matrices at 1-8 rows)
 # Weight dtype -> the numpy type the kernel receives it as. The element type tells the kernel the
 # format (`_widen`): half weights travel as bits, bf16 as int16 and fp16 as uint16.
 _AS_NUMPY = {torch.float32: np.float32, torch.bfloat16: np.int16, torch.float16: np.uint16}
@@ -131,8 +133,9 @@ _SOURCES = hashlib.sha256(b"".join((Path(__file__).parent / name).read_bytes()
 
 
 def _block(x, w, y, block):
-    """_gemv_block's contract: float32 weights in 4 x 4 tiles of registers (gemv_tiles.py), half
-    weights by the scalar loop (they widen element by element)."""
+    """_gemv_block's contract: float32 weights in 4 x 4 tiles of registers (gemv_tiles.py) from
+    TILE_MIN_ROWS activation rows, else (and half weights, which widen element by element) by the
+    scalar loop."""
     _gemv_block(x, w, y, block)
 
 
@@ -141,9 +144,15 @@ if AVAILABLE:
 
     @overload(_block, inline="always")
     def _block_for(x, w, y, block):
-        if w.dtype == types.float32:
-            return lambda x, w, y, block: tiles_block(x, w, y, block * ROWS, ROWS)
-        return lambda x, w, y, block: _scalar_block(x, w, y, block)
+        if w.dtype != types.float32:
+            return lambda x, w, y, block: _scalar_block(x, w, y, block)
+
+        def float32_block(x, w, y, block):
+            if x.shape[0] < TILE_MIN_ROWS:
+                _scalar_block(x, w, y, block)
+            else:
+                tiles_block(x, w, y, block * ROWS, ROWS)
+        return float32_block
 
     @njit(fastmath=_FASTMATH, cache=True)
     def _rms_norm_rows(x, weight, eps, out):
