@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tinykv import gemv
-from tinykv.model import Transformer, apply_rope, fused_linear
+from tinykv import gemv, gemv_layer
+from tinykv.model import Transformer, apply_rope, finish_layer, fused_linear, project_qkv
 
 pytestmark = pytest.mark.skipif(not gemv.AVAILABLE, reason="numba is not installed")
 U32 = 2.0**-24
@@ -129,12 +129,14 @@ def test_the_model_decodes_through_the_gemv(small_model, monkeypatch):
     tokens = torch.tensor([[5, 6, 7]])
     small_model.use_kernels()
     want = small_model(tokens)
-    small_model.use_kernels(**gemv.select_kernels("cpu", fused_linear, apply_rope))
+    small_model.use_kernels(**gemv_layer.select_kernels("cpu", fused_linear, apply_rope,
+                                                        project_qkv, finish_layer))
     try:
         got = small_model(tokens)
     finally:
         small_model.use_kernels()
-    # 2 layers x 4 products + the head, each over the 3 rows of the prompt
+    # (B, T) without a plan: the layers through their references, 2 layers x 4 products + the
+    # head, each over the 3 rows of the prompt
     assert calls == [3] * (2 * 4 + 1)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
@@ -144,6 +146,8 @@ def test_from_pretrained_chooses_the_gemv_on_the_cpu(smollm2_dir):
     assert model.layers[0].attn.wqkv.product.func is gemv.linear_cpu
     assert model.lm_head.product.func is gemv.linear_cpu
     assert model.layers[0].attn.rope.func is gemv.rope_cpu
+    assert model.layers[0].attn.project.func is gemv_layer.project_cpu
+    assert model.layers[0].finish.func is gemv_layer.finish_cpu
 
 
 @pytest.mark.parametrize("shape", [(1, 576), (3, 200), (2, 5, 64)])

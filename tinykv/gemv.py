@@ -12,14 +12,15 @@ activation rows at a time in vector registers (gemv_tiles.py), which keeps a bat
 loop (`SMALL_BATCH`). Prefill chunks and large batches, where a matmul is bound by arithmetic, stay
 with torch.
 
-`select_linear(device, dtype)` chooses once, when the model is loaded (model.py calls it), like the
-attention kernels: `linear_cpu` where numba is installed and the weights are on the CPU, else
-`F.linear`. Weights may be float32, bfloat16 or float16: half weights travel as integer bits and
+`gemv_layer.select_kernels(device, ...)` chooses once, when the model is loaded (model.py calls
+it), like the attention kernels: `linear_cpu` where numba is installed and the weights are on the
+CPU, else model.fused_linear (torch); gemv_layer.py builds a whole decode layer's two calls on the
+same GEMV. Weights may be float32, bfloat16 or float16: half weights travel as integer bits and
 are widened in registers (numba has no float16 on the CPU), accumulation is float32 either way.
 
-`select_rms_norm(device)` likewise: torch's RMSNorm on the CPU is several small operations, each
-with a fixed cost; a decode step runs two per layer on a single row, where that cost is all there
-is. `rms_norm_cpu` is one pass over each row (float32 rows; anything else goes to torch).
+torch's RMSNorm on the CPU is several small operations, each with a fixed cost; a decode step
+runs two per layer on a few rows, where that cost is all there is. The norm is fused before the
+GEMV; `rms_norm_cpu` is the same pass alone (float32 rows; anything else goes to torch).
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from __future__ import annotations
 import hashlib
 import platform
 from collections.abc import Callable
-from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -333,13 +333,3 @@ def rms_norm_cpu(x: torch.Tensor, normalized_shape: list[int], weight: torch.Ten
     out = np.empty(flat.shape, np.float32)  # (B, D)
     _rms_norm_rows(flat.numpy(), weight.detach().numpy(), np.float32(eps), out)
     return torch.from_numpy(out).view(x.shape)
-
-
-def select_kernels(device: torch.device | str, linear: Callable, rope: Callable) -> dict:
-    """The model's product and RoPE for `device`, chosen once, when it loads: on the CPU
-    with numba the kernels here, each falling back to the reference it is given (`linear`:
-    model.fused_linear, `rope`: model.apply_rope); elsewhere the references."""
-    if torch.device(device).type == "cpu" and AVAILABLE:
-        return {"product": partial(linear_cpu, reference=linear),
-                "rope": partial(rope_cpu, reference=rope)}
-    return {"product": linear, "rope": rope}

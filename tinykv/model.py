@@ -21,18 +21,12 @@ from typing import Protocol
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from safetensors import SafetensorError
-from safetensors.torch import load_file
 
+from .checkpoint import ModelError, convert_hf_state_dict, load_safetensors
 from .modelfiles import Fields
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2")
 GPT2_FAMILY = ("gpt2", "gpt_bigcode")
-GATE_UP = ("gate", "up")  # the Llama MLP's two input projections, fused into one (MLP.forward)
-
-
-class ModelError(RuntimeError):
-    """A user-facing problem with a checkpoint (missing, corrupt, unsupported)."""
 
 
 class KVStep(Protocol):
@@ -178,9 +172,29 @@ class Linear(nn.Linear):
         return self.product(x, self.weight, self.bias, norm, residual, swiglu)
 
 
+def project_qkv(attn: Attention, x: torch.Tensor, norm: nn.Module, cos: torch.Tensor | None,
+                sin: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's attention inputs: norm(x) Wqkv^T + b, as q and k heads (..., n_heads + n_kv_heads,
+    hd), rotated when cos is given, and v (..., n_kv_heads, hd). One call in the CPU's decode."""
+    qkv = attn.wqkv(x, norm=norm)  # split by views (split_with_sizes, view: one op each)
+    qk, v = qkv.split_with_sizes([attn.q_size + attn.kv_size, attn.kv_size], dim=-1)
+    qk = qk.view(*x.shape[:-1], -1, attn.cfg.head_dim)  # q, k rotate in one go
+    qk = qk if cos is None else attn.rope(qk, cos, sin)
+    return qk, v.view(*x.shape[:-1], -1, attn.cfg.head_dim)
+
+
+def finish_layer(block: Block, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A layer after its attention o (..., q_size): h = x + o Wo^T + b, then h + mlp(norm2(h)).
+    One call in the CPU's decode."""
+    h = block.attn.wo(o, residual=x)
+    return block.mlp(h, block.norm2)
+
+
 class Attention(nn.Module):
-    """Fused q/k/v projection, RoPE, attention (through the plan's cache, or plain causal)."""
+    """Fused q/k/v projection and RoPE (`project`, chosen at load), attention (through the plan's
+    cache, or plain causal); the output projection is in Block's `finish`."""
     rope: Callable = staticmethod(apply_rope)  # chosen when the model loads, like Linear.product
+    project: Callable = staticmethod(project_qkv)  # likewise: project_qkv's contract
 
     def __init__(self, cfg: Config, layer: int):
         super().__init__()
@@ -191,22 +205,18 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, norm: nn.Module, cos: torch.Tensor | None,
                 sin: torch.Tensor | None, plan: KVStep | None = None) -> torch.Tensor:
-        """x (B, T, dim), or (N, dim) packed with a plan -> x + attention(norm(x)), same shape."""
+        """x (B, T, dim), or (N, dim) packed with a plan -> attention(norm(x)) before wo, (...,
+        q_size)."""
         cfg, lead = self.cfg, x.shape[:-1]
-        qkv = self.wqkv(x, norm=norm)  # split by views (split_with_sizes, view: one op each)
-        qk, v = qkv.split_with_sizes([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        qk = qk.view(*lead, cfg.n_heads + cfg.n_kv_heads, cfg.head_dim)  # q, k rotate in one go
-        if cos is not None:
-            qk = self.rope(qk, cos, sin)
+        qk, v = self.project(self, x, norm, cos, sin)
         q, k = qk.split_with_sizes([cfg.n_heads, cfg.n_kv_heads], dim=-2)
-        v = v.view(*lead, cfg.n_kv_heads, cfg.head_dim)
         if plan is not None:  # packed (N, heads, hd): the cache stores and serves K/V
             o = plan.attend(self.layer, q, k, v)  # (N, n_heads, hd)
         else:  # reference: plain causal attention over (B, T)
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, hd)
             k, v = (t.repeat_interleave(cfg.n_rep, dim=1) for t in (k, v))  # GQA: heads shared
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
-        return self.wo(o.reshape(*lead, self.q_size), residual=x)
+        return o.reshape(*lead, self.q_size)
 
 
 class MLP(nn.Module):
@@ -233,6 +243,7 @@ def make_norm(cfg: Config) -> nn.Module:
 
 class Block(nn.Module):
     """One pre-norm residual layer: attention, then the MLP."""
+    finish: Callable = staticmethod(finish_layer)  # chosen at load, like Linear.product
 
     def __init__(self, cfg: Config, layer: int):
         super().__init__()
@@ -241,8 +252,8 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
                 plan: KVStep | None = None) -> torch.Tensor:
-        x = self.attn(x, self.norm1, cos, sin, plan)  # x + attention(norm1(x))
-        return self.mlp(x, self.norm2)  # x + mlp(norm2(x))
+        o = self.attn(x, self.norm1, cos, sin, plan)  # attention(norm1(x)) before wo
+        return self.finish(self, o, x)  # h = x + wo(o), then h + mlp(norm2(h))
 
 
 class Transformer(nn.Module):
@@ -263,13 +274,17 @@ class Transformer(nn.Module):
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
 
-    def use_kernels(self, product: Callable = fused_linear, rope: Callable = apply_rope) -> None:
-        """From now on: linear layers through `product` (norms fused in), RoPE through `rope`."""
+    def use_kernels(self, product: Callable = fused_linear, rope: Callable = apply_rope,
+                    project: Callable = project_qkv, finish: Callable = finish_layer) -> None:
+        """From now on: linear layers through `product` (norms fused in), RoPE through `rope`, a
+        layer's q/k/v through `project` and its part after attention through `finish`."""
         for m in self.modules():
             if isinstance(m, Linear):
                 m.product = product
             elif isinstance(m, Attention):
-                m.rope = rope
+                m.rope, m.project = rope, project
+            elif isinstance(m, Block):
+                m.finish = finish
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, plan: KVStep | None = None) -> torch.Tensor:
@@ -328,73 +343,7 @@ class Transformer(nn.Module):
         if not cfg.gpt2_style:
             model.rope_cos, model.rope_sin = rope_tables(cfg)
         model = model.to(device=device, dtype=dtype).eval()
-        from .gemv import select_kernels  # numba loads with a model, not here
-        model.use_kernels(**select_kernels(device, fused_linear, apply_rope))  # chosen once
+        from .gemv_layer import select_kernels  # numba loads with a model, not here
+        model.use_kernels(**select_kernels(device, fused_linear, apply_rope, project_qkv,
+                                           finish_layer))  # chosen once
         return model
-
-
-def load_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the *.safetensors files (one, or the shards) in a directory."""
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ModelError(f"no *.safetensors files in {path}")
-    out = {}
-    for f in files:
-        try:
-            out.update(load_file(str(f)))
-        except (SafetensorError, OSError, ValueError) as e:
-            raise ModelError(f"corrupt safetensors file {f}: {str(e).splitlines()[0]}") from None
-    return out
-
-
-def convert_hf_state_dict(cfg: Config, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Hugging Face tensor names -> tinykv names: the one place the two naming schemes meet."""
-    hf = {k.removeprefix("model.").removeprefix("transformer."): v for k, v in hf.items()}
-
-    def get(name: str) -> torch.Tensor:
-        if name not in hf:
-            raise ModelError(f"checkpoint lacks tensor '{name}'")
-        return hf[name].float()
-
-    return _gpt2_tensors(cfg, get) if cfg.gpt2_style else _llama_tensors(cfg, get)
-
-
-def _gpt2_tensors(cfg: Config, get: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
-    conv1d = cfg.model_type == "gpt2"  # Conv1D weights (in, out); gpt_bigcode's are (out, in)
-    sd = {"embed.weight": get("wte.weight"), "pos_embed.weight": get("wpe.weight"),
-          "norm.weight": get("ln_f.weight"), "norm.bias": get("ln_f.bias")}
-    pairs = {"norm1": "ln_1", "norm2": "ln_2", "attn.wqkv": "attn.c_attn",
-             "attn.wo": "attn.c_proj", "mlp.w_in": "mlp.c_fc", "mlp.w_out": "mlp.c_proj"}
-    for i in range(cfg.n_layers):
-        src, dst = f"h.{i}.", f"layers.{i}."
-        for ours, theirs in pairs.items():
-            w = get(src + theirs + ".weight")
-            if conv1d and not ours.startswith("norm"):
-                w = w.t().contiguous()
-            sd[dst + ours + ".weight"] = w
-            sd[dst + ours + ".bias"] = get(src + theirs + ".bias")
-    return sd
-
-
-def _llama_tensors(cfg: Config, get: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
-    sd = {"embed.weight": get("embed_tokens.weight"), "norm.weight": get("norm.weight")}
-    if not cfg.tie_embeddings:
-        sd["lm_head.weight"] = get("lm_head.weight")
-    for i in range(cfg.n_layers):
-        src = dst = f"layers.{i}."
-        sd[dst + "norm1.weight"] = get(src + "input_layernorm.weight")
-        sd[dst + "norm2.weight"] = get(src + "post_attention_layernorm.weight")
-        attn = src + "self_attn."
-        sd[dst + "attn.wqkv.weight"] = torch.cat([get(attn + f"{n}_proj.weight") for n in "qkv"])
-        if cfg.qkv_bias:
-            sd[dst + "attn.wqkv.bias"] = torch.cat([get(attn + f"{n}_proj.bias") for n in "qkv"])
-        sd[dst + "attn.wo.weight"] = get(attn + "o_proj.weight")
-        if cfg.o_bias:
-            sd[dst + "attn.wo.bias"] = get(attn + "o_proj.bias")
-        mlp = src + "mlp."
-        sd[dst + "mlp.w_in.weight"] = torch.cat([get(mlp + f"{n}_proj.weight") for n in GATE_UP])
-        sd[dst + "mlp.w_out.weight"] = get(mlp + "down_proj.weight")
-        if cfg.mlp_bias:
-            sd[dst + "mlp.w_in.bias"] = torch.cat([get(mlp + f"{n}_proj.bias") for n in GATE_UP])
-            sd[dst + "mlp.w_out.bias"] = get(mlp + "down_proj.bias")
-    return sd

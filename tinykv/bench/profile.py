@@ -1,9 +1,9 @@
 """`python -m tinykv bench profile`: where a decode step's time goes, tinykv beside transformers.
 
 Wall time per decoded token (batch 1, greedy, after a prompt of --prompt tokens) split into the
-linear layers (every `model.Linear`, where the weights are read once per token, with the norm,
-SwiGLU and residual add each fuses), the cache's `write` (quantize on store) and `attend`, and the
-rest (RoPE, sampling, Python);
+linear layers (every `model.Linear`, and a layer's `project` and `finish` (gemv_layer.py), where
+the weights are read once per token, with the norms, RoPE, SwiGLU and residual adds they fuse),
+the cache's `write` (quantize on store) and `attend`, and the rest (sampling, Python);
 transformers' step into its linear layers (F.linear) and the rest, from its first new token to its
 last. Timers wrap those functions for the run only.
 
@@ -28,25 +28,44 @@ from ..model import Linear, Transformer
 from ..pools import KVPools
 
 PARTS = ["linear", "cache.write", "cache.attend"]
+_RUNNING: set[str] = set()  # the keys `timing` is inside now
 
 
 @contextmanager
 def timing(owner: object, name: str, acc: Counter, key: str) -> Iterator[None]:
-    """While inside, every call of owner.name adds its wall time to acc[key] (seconds)."""
-    fn = getattr(owner, name)
+    """While inside, every call of owner.name adds its wall time to acc[key] (seconds), once: a
+    call inside another timed under the same key (a Linear inside `finish`) is not added again."""
+    fn, own = getattr(owner, name), name in vars(owner)  # not own: the class's, on an instance
 
     def timed(*a, **kw):
+        if key in _RUNNING:
+            return fn(*a, **kw)
+        _RUNNING.add(key)
         t0 = time.perf_counter()
         try:
             return fn(*a, **kw)
         finally:
+            _RUNNING.discard(key)
             acc[key] += time.perf_counter() - t0
 
     setattr(owner, name, timed)
     try:
         yield
     finally:
-        setattr(owner, name, fn)
+        if own:
+            setattr(owner, name, fn)
+        else:
+            delattr(owner, name)
+
+
+def time_linear(stack: ExitStack, model: Transformer, acc: Counter, key: str = "linear") -> None:
+    """Timers (in `stack`) on every linear layer, with the norm, SwiGLU and residual it fuses
+    (gemv.linear_cpu), and on each layer's two fused calls (gemv_layer: their norms and RoPE
+    too), all into acc[key]."""
+    stack.enter_context(timing(Linear, "forward", acc, key))
+    for block in model.layers:
+        stack.enter_context(timing(block.attn, "project", acc, key))
+        stack.enter_context(timing(block, "finish", acc, key))
 
 
 def profile_tinykv(model: Transformer, prompt: list[int], kv: str, n_new: int) -> dict:
@@ -60,8 +79,7 @@ def profile_tinykv(model: Transformer, prompt: list[int], kv: str, n_new: int) -
         eng.step()
     acc: Counter = Counter()
     with ExitStack() as stack:
-        # every linear layer, with the norm, SwiGLU and residual it fuses (gemv.linear_cpu)
-        stack.enter_context(timing(Linear, "forward", acc, "linear"))
+        time_linear(stack, model, acc)
         stack.enter_context(timing(KVPools, "write", acc, "cache.write"))
         stack.enter_context(timing(PagedKVCache, "attend", acc, "cache.attend"))
         t0, steps = time.perf_counter(), 0

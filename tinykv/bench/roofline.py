@@ -33,7 +33,7 @@ import torch
 
 from .. import gemv
 from ..cache import PagedKVCache, make_cache
-from ..model import Config, Linear, Transformer
+from ..model import Config, Transformer
 from ..outputs import write_text
 from ..pools import KVPools
 from ..spec import KVSpec
@@ -211,17 +211,18 @@ def decode_tinykv(model: Transformer, specs: list[str], batch: int, context: int
 
         times = time_in_turn({s: partial(step, c) for s, c in caches.items()},
                             {s: partial(held, c) for s, c in caches.items()}, steps)
-        return {s: (*times[s], _time_parts(partial(step, caches[s]), steps)) for s in specs}
+        return {s: (*times[s], _time_parts(model, partial(step, caches[s]), steps))
+                for s in specs}
 
 
-def _time_parts(step: Callable[[], None], steps: int) -> dict:
+def _time_parts(model: Transformer, step: Callable[[], None], steps: int) -> dict:
     """ms per step of the linear layers, attention, the store and the rest, over `steps` more
     steps with timers on (bench profile's)."""
-    from .profile import timing
+    from .profile import time_linear, timing
 
     acc: Counter = Counter()
     with ExitStack() as stack:
-        stack.enter_context(timing(Linear, "forward", acc, "linear"))
+        time_linear(stack, model, acc)
         stack.enter_context(timing(PagedKVCache, "attend", acc, "attention"))
         stack.enter_context(timing(KVPools, "write", acc, "store"))
         t0 = time.perf_counter()
