@@ -44,6 +44,7 @@ MORE_CASES = [
     ("int4:channel:asym", "fp16", 1, 96, 128),
     ("bf16", "int2:asym", 4, 128, 8),
     ("int2:g32", "int4:channel:asym", 3, 64, 16),
+    ("int8", "int8:asym", 16, 32, 16),  # 16 heads a group: per-head reductions fill a piece
 ]
 
 

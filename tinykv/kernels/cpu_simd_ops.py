@@ -65,9 +65,8 @@ def _segment(v, seg, op: str):
 
     def codegen(context, builder, sig, args):
         def combine(a, b):
-            if op == "sum":
-                return builder.fadd(a, b, flags=FLAGS)
-            return builder.select(builder.fcmp_ordered(">=", a, b), a, b)
+            return builder.fadd(a, b, flags=FLAGS) if op == "sum" else \
+                builder.select(builder.fcmp_ordered(">=", a, b), a, b)
         pieces = _pieces(builder, args[0])
         if op == "absmax":
             fabs = cgutils.get_or_insert_function(
@@ -87,10 +86,11 @@ def _segment(v, seg, op: str):
                             builder.shuffle_vector(p, p, _mask(list(range(half, width)))))
                 width = half
             tops.append(builder.extract_element(p, ir.IntType(32)(0)))
-        out = ir.Constant(ir.VectorType(ir.FloatType(), len(tops)), ir.Undefined)
+        w = PIECE if len(tops) % PIECE == 0 else len(tops)  # as Vec holds them (_llvm_type)
+        outs = [ir.Constant(ir.VectorType(ir.FloatType(), w), ir.Undefined)] * (len(tops) // w)
         for i, x in enumerate(tops):
-            out = builder.insert_element(out, x, ir.IntType(32)(i))
-        return out
+            outs[i // w] = builder.insert_element(outs[i // w], x, ir.IntType(32)(i % w))
+        return _whole(builder, outs)
     return Vec(v.dtype, v.lanes // n)(v, seg), codegen
 
 
