@@ -132,6 +132,14 @@ _SOURCES = hashlib.sha256(b"".join((Path(__file__).parent / name).read_bytes()
                                    for name in ("gemv.py", "gemv_tiles.py"))).hexdigest()
 
 
+
+def serial_and_parallel(fn: Callable, variant: tuple) -> tuple:
+    """fn, written with prange, compiled twice: for one thread (where numba runs prange as range)
+    and with prange's iterations split between threads; disk-cached under `variant` (the sources
+    it inlines) and which of the two it is."""
+    return (kernel((*variant, "serial"), fastmath=_FASTMATH)(fn),
+            kernel((*variant, "parallel"), fastmath=_FASTMATH, parallel=True)(fn))
+
 def _block(x, w, y, block):
     """_gemv_block's contract: float32 weights in 4 x 4 tiles of registers (gemv_tiles.py) from
     TILE_MIN_ROWS activation rows, else (and half weights, which widen element by element) by the
@@ -191,23 +199,15 @@ if AVAILABLE:
                     v = residual[b, j] + v
                 out[b, j] = v
 
-    @kernel(("gemv", _SOURCES), fastmath=_FASTMATH)
-    def _linear_serial(x, norm_weight, eps, w, bias, residual, swiglu, out):
+    def _linear(x, norm_weight, eps, w, bias, residual, swiglu, out):
         """out = act(norm(x) @ w^T + bias) + residual (`_epilogue`), in one call."""
-        x = _normalized(x, norm_weight, eps)
-        y = np.empty((x.shape[0], w.shape[0]), np.float32) if swiglu else out  # (B, N)
-        for block in range(-(-w.shape[0] // ROWS)):
-            _block(x, w, y, block)
-        _epilogue(y, bias, residual, swiglu, out)
-
-    @kernel(("gemv", _SOURCES), fastmath=_FASTMATH, parallel=True)
-    def _linear_parallel(x, norm_weight, eps, w, bias, residual, swiglu, out):
-        """_linear_serial with the weight's output rows split between threads."""
         x = _normalized(x, norm_weight, eps)
         y = np.empty((x.shape[0], w.shape[0]), np.float32) if swiglu else out  # (B, N)
         for block in prange(-(-w.shape[0] // ROWS)):
             _block(x, w, y, block)
         _epilogue(y, bias, residual, swiglu, out)
+
+    _linear_serial, _linear_parallel = serial_and_parallel(_linear, ("gemv", _SOURCES))
 
     @njit(cache=True)  # no fastmath: the reference's roundings, x * cos + rotated * sin
     def _rope_rows(x, cos, sin, out):

@@ -29,7 +29,6 @@ import torch.nn as nn
 
 from . import gemv
 from .gemv import AVAILABLE, ROWS, SMALL_BATCH, TILE_BATCH, njit, numba, prange
-from .kernels.cpu_numerics import kernel
 
 # numba's disk cache watches only the file that defines a function: these kernels inline gemv.py
 # and gemv_tiles.py too, so their key hashes all three
@@ -61,45 +60,20 @@ if AVAILABLE:
                     c = rotated + h * head_dim + i
                     out_v[b, h, i] = y[b, c] + bias[c] if bias.size else y[b, c]
 
-    @kernel(("gemv_layer", _SOURCES), fastmath=gemv._FASTMATH)
-    def _project_serial(x, norm_weight, eps, w, bias, cos, sin, out_qk, out_v):
+    def _project(x, norm_weight, eps, w, bias, cos, sin, out_qk, out_v):
         """out_qk, out_v = the RoPE'd q|k heads and v of norm(x) @ w^T + bias (_rope_epilogue)."""
-        x = gemv._normalized(x, norm_weight, eps)
-        y = np.empty((x.shape[0], w.shape[0]), np.float32)  # (B, N)
-        for block in range(-(-w.shape[0] // ROWS)):
-            gemv._block(x, w, y, block)
-        _rope_epilogue(y, bias, cos, sin, out_qk, out_v)
-
-    @kernel(("gemv_layer", _SOURCES), fastmath=gemv._FASTMATH, parallel=True)
-    def _project_parallel(x, norm_weight, eps, w, bias, cos, sin, out_qk, out_v):
-        """_project_serial with the weight's output rows split between threads."""
         x = gemv._normalized(x, norm_weight, eps)
         y = np.empty((x.shape[0], w.shape[0]), np.float32)  # (B, N)
         for block in prange(-(-w.shape[0] // ROWS)):
             gemv._block(x, w, y, block)
         _rope_epilogue(y, bias, cos, sin, out_qk, out_v)
 
-    @kernel(("gemv_layer", _SOURCES), fastmath=gemv._FASTMATH)
-    def _finish_serial(o, x, wo, bo, norm_weight, eps, w_in, b_in, w_out, b_out, out):
+    _project_serial, _project_parallel = gemv.serial_and_parallel(_project,
+                                                                   ("gemv_layer", _SOURCES))
+
+    def _finish(o, x, wo, bo, norm_weight, eps, w_in, b_in, w_out, b_out, out):
         """out (B, D) = h + (silu(gate) * up) @ w_out^T + b_out, [gate | up] = norm(h) @ w_in^T
         + b_in, h = x + o @ wo^T + bo: the rest of a layer after attention."""
-        h = np.empty_like(x)  # (B, D)
-        for block in range(-(-wo.shape[0] // ROWS)):
-            gemv._block(o, wo, h, block)
-        gemv._epilogue(h, bo, x, False, h)
-        hn = gemv._normalized(h, norm_weight, eps)
-        gate_up = np.empty((x.shape[0], w_in.shape[0]), np.float32)  # (B, 2F)
-        for block in range(-(-w_in.shape[0] // ROWS)):
-            gemv._block(hn, w_in, gate_up, block)
-        act = np.empty((x.shape[0], w_out.shape[1]), np.float32)  # (B, F)
-        gemv._epilogue(gate_up, b_in, x[:0], True, act)
-        for block in range(-(-w_out.shape[0] // ROWS)):
-            gemv._block(act, w_out, out, block)
-        gemv._epilogue(out, b_out, h, False, out)
-
-    @kernel(("gemv_layer", _SOURCES), fastmath=gemv._FASTMATH, parallel=True)
-    def _finish_parallel(o, x, wo, bo, norm_weight, eps, w_in, b_in, w_out, b_out, out):
-        """_finish_serial with each product's output rows split between threads."""
         h = np.empty_like(x)  # (B, D)
         for block in prange(-(-wo.shape[0] // ROWS)):
             gemv._block(o, wo, h, block)
@@ -113,6 +87,8 @@ if AVAILABLE:
         for block in prange(-(-w_out.shape[0] // ROWS)):
             gemv._block(act, w_out, out, block)
         gemv._epilogue(out, b_out, h, False, out)
+
+    _finish_serial, _finish_parallel = gemv.serial_and_parallel(_finish, ("gemv_layer", _SOURCES))
 
 
 def _rows(x: torch.Tensor) -> bool:
