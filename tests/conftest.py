@@ -56,3 +56,13 @@ def small_model():
     cfg = Config(vocab_size=49152, dim=64, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=128,
                  max_seq_len=512)
     return Transformer(cfg).eval()
+
+
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def threads(request):
+    """Torch's thread count, which the CPU kernels follow (2: the parallel kernels, work split
+    between threads; numba's pool caps it, 1 where the run is pinned to one core)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)

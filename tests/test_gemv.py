@@ -27,15 +27,6 @@ def bound(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> torch.Ten
     return gamma * (x.double().abs() @ w.double().abs().T) + ROUNDING[out_dtype] * exact.abs()
 
 
-@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
-def threads(request):
-    """Torch's thread count, which the GEMV follows (2: the parallel kernel, rows split)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 # x holds 2 x rows activation rows: up to TILE_BATCH // 2 the float32 tiles take them all
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, gemv.SMALL_BATCH, gemv.SMALL_BATCH + 3, 13,

@@ -21,15 +21,6 @@ def gamma(k: int) -> float:
     return k * U / (1 - k * U)
 
 
-@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
-def threads(request):
-    """Torch's thread count, which the kernels follow (2: the parallel kernels, rows split)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 def layer(bias: bool, dtype=torch.float32, seed=0) -> Transformer:
     """A random 2-layer Llama-family model, norms and biases perturbed; weights in `dtype`."""
     torch.manual_seed(seed)
