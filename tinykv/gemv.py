@@ -148,9 +148,9 @@ def _block(x, w, y, block):
 
 
 if AVAILABLE:
-    _scalar_block = njit(fastmath=_FASTMATH, inline="always", cache=True)(_gemv_block)
+    _scalar_block = njit(fastmath=_FASTMATH, cache=True)(_gemv_block)
 
-    @overload(_block, inline="always")
+    @overload(_block)
     def _block_for(x, w, y, block):
         if w.dtype != types.float32:
             return lambda x, w, y, block: _scalar_block(x, w, y, block)

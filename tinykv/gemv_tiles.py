@@ -104,8 +104,8 @@ def _tiles_block(x, w, y, first, count):
 
 if AVAILABLE:
     _four_fmas = njit(inline="always", cache=True)(_four_fmas)
-    _tile_sums = njit(fastmath=_FASTMATH, inline="always", cache=True)(_tile_sums)
+    _tile_sums = njit(fastmath=_FASTMATH, cache=True)(_tile_sums)
     _starts = njit(inline="always", cache=True)(_starts)
-    tiles_block = njit(fastmath=_FASTMATH, inline="always", cache=True)(_tiles_block)
+    tiles_block = njit(fastmath=_FASTMATH, cache=True)(_tiles_block)
 else:
     tiles_block = _tiles_block
