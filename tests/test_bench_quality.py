@@ -90,7 +90,13 @@ def test_calibrated_specs_are_held_out(hf_dir, tmp_path, capsys):  # noqa: F811
     assert "overlap the calibration's 0-100" in capsys.readouterr().err
     assert main([*common, *cal, "--offset", "100"]) == 0
     row = json.loads((tmp_path / "q.json").read_text())["rows"][1]
-    assert row["texts"][0] == held_out["texts"][0]  # the same calibration, the same numbers
+    # The same calibration, the same numbers, to float32 rounding: two runs of one process can
+    # differ in the last bits (seen once on an AMD EPYC: 5e-9 of the perplexity, 3e-6 of the
+    # KL). Calibrating on one token fewer moves them by 6e-4 and 4e-2: far outside these bounds.
+    same, ref = row["texts"][0], held_out["texts"][0]
+    assert same["tokens"] == ref["tokens"]
+    assert same["ppl"] == pytest.approx(ref["ppl"], rel=1e-6)
+    assert same["kl"] == pytest.approx(ref["kl"], rel=1e-3)
     assert main([*common[:-5], "--kv", "int4:center", "--out", str(tmp_path / "q.json")]) == 1
     assert "give --calibration-text FILE" in capsys.readouterr().err
 
