@@ -37,19 +37,19 @@ import torch.nn.functional as F
 
 from .gemv_tiles import tiles_block
 from .kernels.cpu_numerics import kernel
+from .kernels.cpu_simd import HAS_F16C, WIDE_VECTORS
 
 try:
     import numba
-    from llvmlite import binding as llvm
     from llvmlite import ir
     from numba import njit, prange, types
     from numba.extending import intrinsic, overload
 
     AVAILABLE = True
     # LLVM widens half to float with one F16C instruction; without F16C it would call a runtime
-    # function numba may not link, so float16 weights then stay with torch.
-    F16C = platform.machine() not in ("x86_64", "AMD64") or \
-        "+f16c" in llvm.get_host_cpu_features().flatten()
+    # function numba may not link, so float16 weights then stay with torch. Asked of the target
+    # numba compiles for (NUMBA_CPU_FEATURES), as cpu_simd does.
+    F16C = platform.machine() not in ("x86_64", "AMD64") or HAS_F16C
 except ImportError:  # no numba: every product goes to torch
     AVAILABLE, F16C = False, False
     numba = ir = types = None
@@ -67,6 +67,12 @@ SMALL_BATCH = 8  # activation rows up to which the GEMV beats torch's matmul (be
 TILE_BATCH = 64  # the same for float32 weights, read in tiles (gemv_tiles.py)
 TILE_MIN_ROWS = 3  # fewer rows: the scalar loop, whose 8 weight streams read faster than a tile
 # whose activation rows repeat one row (measured over the model's matrices at 1-8 rows)
+# More rows than this: the scalar loop again. With 256-bit vectors (AVX2) a tile's multiply-add
+# does half the work of a 512-bit one and its 16 accumulators fill every register (its hot loop
+# stores 18 vectors to the stack and reloads 22 per 32 multiply-adds), so there the tiles are
+# faster at 3-4 rows, even at 8, and slower from 12 (measured over the model's matrices on a
+# Zen 3: 16 rows 165 ms against 130, 64 rows 624 against 383).
+TILE_MAX_ROWS = TILE_BATCH if WIDE_VECTORS else 8
 # Weight dtype -> the numpy type the kernel receives it as. The element type tells the kernel the
 # format (`_widen`): half weights travel as bits, bf16 as int16 and fp16 as uint16.
 _AS_NUMPY = {torch.float32: np.float32, torch.bfloat16: np.int16, torch.float16: np.uint16}
@@ -141,9 +147,9 @@ def serial_and_parallel(fn: Callable, variant: tuple) -> tuple:
             kernel((*variant, "parallel"), fastmath=_FASTMATH, parallel=True)(fn))
 
 def _block(x, w, y, block):
-    """_gemv_block's contract: float32 weights in 4 x 4 tiles of registers (gemv_tiles.py) from
-    TILE_MIN_ROWS activation rows, else (and half weights, which widen element by element) by the
-    scalar loop."""
+    """_gemv_block's contract: float32 weights in 4 x 4 tiles of registers (gemv_tiles.py) at
+    TILE_MIN_ROWS to TILE_MAX_ROWS activation rows, else (and half weights, which widen element by
+    element) by the scalar loop."""
     _gemv_block(x, w, y, block)
 
 
@@ -156,7 +162,7 @@ if AVAILABLE:
             return lambda x, w, y, block: _scalar_block(x, w, y, block)
 
         def float32_block(x, w, y, block):
-            if x.shape[0] < TILE_MIN_ROWS:
+            if x.shape[0] < TILE_MIN_ROWS or x.shape[0] > TILE_MAX_ROWS:
                 _scalar_block(x, w, y, block)
             else:
                 tiles_block(x, w, y, block * ROWS, ROWS)

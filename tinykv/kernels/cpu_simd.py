@@ -46,8 +46,11 @@ if types is not None:  # numba is installed
         from llvmlite import binding as _llvm
         _features = _llvm.get_host_cpu_features().flatten()
     HAS_F16C = "+f16c" in _features
+    # A 16-lane piece is one register with AVX-512, two of AVX2's 16 (or a NEON CPU's four):
+    # code that keeps many pieces live (gemv_tiles.py) pays only where they are wide.
+    WIDE_VECTORS = "+avx512f" in _features
 else:  # nothing is compiled; the names stay importable (cpu.AVAILABLE says why)
-    Vec, HAS_F16C = None, False
+    Vec, HAS_F16C, WIDE_VECTORS = None, False, False
 FLAGS = ("reassoc", "contract", "nsz")  # float sums may be reordered and fused
 
 
