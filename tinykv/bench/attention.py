@@ -75,24 +75,27 @@ def clock_ghz(n: int = 50_000_000) -> float:
 
 
 def fma_peak(n: int = 20_000_000) -> float:
-    """Float32 FMAs per second (G): 8 independent chains of 16-lane multiply-adds (enough to
-    fill two FMA units of 4 cycles' latency)."""
-    from ..kernels.cpu_simd import splat, store
+    """Float32 FMAs per second (G): 8 independent chains of one-register multiply-adds (enough
+    to fill two FMA units of 4 cycles' latency). A register is 16 lanes with AVX-512, 8 with
+    AVX2: 16-lane chains there would be 16 registers and spill, measuring the stack instead."""
+    from ..kernels.cpu_simd import WIDE_VECTORS, splat, store
     from ..kernels.cpu_simd_ops import fma
+
+    lanes = 16 if WIDE_VECTORS else 8
 
     @njit
     def fmas(out, n):
-        a, b = splat(0.999, 16), splat(0.5, 16)
-        x0, x1, x2, x3 = splat(1.0, 16), splat(2.0, 16), splat(3.0, 16), splat(4.0, 16)
-        x4, x5, x6, x7 = splat(5.0, 16), splat(6.0, 16), splat(7.0, 16), splat(8.0, 16)
+        a, b = splat(0.999, lanes), splat(0.5, lanes)
+        x0, x1, x2, x3 = splat(1.0, lanes), splat(2.0, lanes), splat(3.0, lanes), splat(4.0, lanes)
+        x4, x5, x6, x7 = splat(5.0, lanes), splat(6.0, lanes), splat(7.0, lanes), splat(8.0, lanes)
         for _ in range(n):  # llvm.fma: exactly one FMA each, never folded across iterations
             x0, x1, x2, x3 = fma(x0, a, b), fma(x1, a, b), fma(x2, a, b), fma(x3, a, b)
             x4, x5, x6, x7 = fma(x4, a, b), fma(x5, a, b), fma(x6, a, b), fma(x7, a, b)
         store(out, 0, x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7)
 
-    out = np.zeros(16, np.float32)
+    out = np.zeros(lanes, np.float32)
     fmas(out, 10)
-    return 8 * 16 * n / min(_timed(fmas, out, n) for _ in range(3)) / 1e9
+    return 8 * lanes * n / min(_timed(fmas, out, n) for _ in range(3)) / 1e9
 
 
 def last_level_cache() -> int:
