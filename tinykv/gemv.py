@@ -67,11 +67,11 @@ SMALL_BATCH = 8  # activation rows up to which the GEMV beats torch's matmul (be
 TILE_BATCH = 64  # the same for float32 weights, read in tiles (gemv_tiles.py)
 TILE_MIN_ROWS = 3  # fewer rows: the scalar loop, whose 8 weight streams read faster than a tile
 # whose activation rows repeat one row (measured over the model's matrices at 1-8 rows)
-# More rows than this: the scalar loop again. With 256-bit vectors (AVX2) a tile's multiply-add
-# does half the work of a 512-bit one and its 16 accumulators fill every register (its hot loop
-# stores 18 vectors to the stack and reloads 22 per 32 multiply-adds), so there the tiles are
-# faster at 3-4 rows, even at 8, and slower from 12 (measured over the model's matrices on a
-# Zen 3: 16 rows 165 ms against 130, 64 rows 624 against 383).
+# More rows than this: the scalar loop again. With 256-bit vectors (AVX2) a tile's 16 accumulators
+# are 32 registers' worth in 16: per step of 16 channels its hot loop does 32 multiply-adds and
+# stores 18 vectors to the stack and reloads 22 (with AVX-512: 16, 9.5 and 11.5; read from the
+# assembly), so there the tiles are faster at 3-4 rows, even at 8, and slower from 12 (measured
+# over the model's matrices on a Zen 3: 16 rows 165 ms against 130, 64 rows 624 against 383).
 TILE_MAX_ROWS = TILE_BATCH if WIDE_VECTORS else 8
 # Weight dtype -> the numpy type the kernel receives it as. The element type tells the kernel the
 # format (`_widen`): half weights travel as bits, bf16 as int16 and fp16 as uint16.
