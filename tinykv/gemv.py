@@ -4,12 +4,14 @@ the RMSNorm those layers read their rows from, in one pass.
 A decode step multiplies one activation row per sequence by every weight matrix of the model, so
 its linear layers are matrix-vector products bound by the bytes of W, not by arithmetic. Torch's
 `F.linear` takes the general matmul path for them and reads the weights well below the machine's
-bandwidth. The kernel here walks W in blocks of `ROWS` output rows: each block streams from memory
-once, its rows in parallel (so the prefetchers see a few sequential streams), and every activation
-row of the batch is multiplied by the block while it sits in L1. Float32 weights go 4 rows by 4
+bandwidth. The kernel here walks W in blocks of `ROWS` output rows (the unit threads split) and
+reads each block from memory once. How it reads a block depends on the batch. For one or two
+activation rows, and for half weights, row by row: one sequential stream, each row multiplied by
+every activation row while it sits in L1. Float32 weights at a few more rows go 4 rows by 4
 activation rows at a time in vector registers (gemv_tiles.py), which keeps a batch of up to
-`TILE_BATCH` rows bound by the weights' bytes; half weights widen element by element in a scalar
-loop (`SMALL_BATCH`). Prefill chunks and large batches, where a matmul is bound by arithmetic, stay
+`TILE_BATCH` rows bound by the weights' bytes; beyond the tiles, 8 rows in parallel, each
+activation row multiplied by the block in L1. Half weights widen element by element
+(`SMALL_BATCH`). Prefill chunks and large batches, where a matmul is bound by arithmetic, stay
 with torch.
 
 `gemv_layer.select_kernels(device, ...)` chooses once, when the model is loaded (model.py calls
@@ -61,13 +63,16 @@ except ImportError:  # no numba: every product goes to torch
     def njit(*_a, **_kw):
         return intrinsic
 
-ROWS = 8  # output rows per pass over x: 8 weight streams, 8 vector accumulators (4: slower,
-# bench profile's linear alone)
+ROWS = 8  # output rows per block: per pass over x, 8 weight streams and 8 vector accumulators
+# in the eight-row loop (4: slower, bench profile's linear alone)
 SMALL_BATCH = 8  # activation rows up to which the GEMV beats torch's matmul (bench profile)
 TILE_BATCH = 64  # the same for float32 weights, read in tiles (gemv_tiles.py)
-TILE_MIN_ROWS = 3  # fewer rows: the scalar loop, whose 8 weight streams read faster than a tile
-# whose activation rows repeat one row (measured over the model's matrices at 1-8 rows)
-# More rows than this: the scalar loop again. With 256-bit vectors (AVX2) a tile's 16 accumulators
+# Fewer rows: row by row, whose one sequential weight stream reads faster than the eight-row
+# loop's 8 streams or a tile whose activation rows repeat one row. Over the model's 121 matrices
+# on a Zen 3 (AVX2), row by row against the eight-row loop: float32 1 row 0.75x the time, 2 rows
+# 0.88x, 4 rows 1.18x; bf16 0.56x to 0.84x at 1 to 8 rows, fp16 0.65x to 1.0x.
+TILE_MIN_ROWS = 3
+# More rows than this: the eight-row loop. With 256-bit vectors (AVX2) a tile's 16 accumulators
 # are 32 registers' worth in 16: per step of 16 channels its hot loop does 32 multiply-adds and
 # stores 18 vectors to the stack and reloads 22 (with AVX-512: 16, 9.5 and 11.5; read from the
 # assembly), so there the tiles are faster at 3-4 rows, even at 8, and slower from 12 (measured
@@ -96,18 +101,31 @@ def _widen(typingctx, w):
     return types.float32(w), codegen
 
 
+_FASTMATH = {"reassoc", "contract", "arcp", "nsz"}  # sums may be reordered; nans still propagate
+
+
+@njit(fastmath=_FASTMATH, cache=True)
+def _row_by_row(x, w, y, block):
+    """_gemv_block's contract, one weight row at a time: the block's rows stream from memory in
+    order, one sequential stream the hardware prefetcher follows from row to row, and the row
+    stays in L1 while each activation row's dot product with it is summed (in vector lanes
+    under fastmath, then across them once per output)."""
+    n, k = w.shape
+    for row in range(block * ROWS, min(block * ROWS + ROWS, n)):
+        for b in range(x.shape[0]):
+            acc = np.float32(0.0)
+            for c in range(k):
+                acc += _widen(w[row, c]) * x[b, c]
+            y[b, row] = acc
+
+
 def _gemv_block(x, w, y, block):
     """Output rows block*ROWS .. +ROWS (fewer at the end) of y (B, N) = x (B, K) @ w (N, K)^T;
     the block's weights come from memory once and stay in L1 for the rest of the batch."""
     n, k = w.shape
     r = block * ROWS
     if r + ROWS > n:  # the last rows, when N is not a multiple of ROWS
-        for row in range(r, n):
-            for b in range(x.shape[0]):
-                acc = np.float32(0.0)
-                for c in range(k):
-                    acc += _widen(w[row, c]) * x[b, c]
-                y[b, row] = acc
+        _row_by_row(x, w, y, block)
         return
     for b in range(x.shape[0]):
         a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = np.float32(0.0)  # one per output row
@@ -131,7 +149,6 @@ def _gemv_block(x, w, y, block):
         y[b, r + 7] = a7
 
 
-_FASTMATH = {"reassoc", "contract", "arcp", "nsz"}  # sums may be reordered; nans still propagate
 # numba's disk cache watches only the file that defines a function: the linear kernels inline
 # gemv_tiles.py too (and kernels/cpu_simd*.py, which kernel()'s key covers), so theirs hashes both
 _SOURCES = hashlib.sha256(b"".join((Path(__file__).parent / name).read_bytes()
@@ -147,25 +164,28 @@ def serial_and_parallel(fn: Callable, variant: tuple) -> tuple:
             kernel((*variant, "parallel"), fastmath=_FASTMATH, parallel=True)(fn))
 
 def _block(x, w, y, block):
-    """_gemv_block's contract: float32 weights in 4 x 4 tiles of registers (gemv_tiles.py) at
-    TILE_MIN_ROWS to TILE_MAX_ROWS activation rows, else (and half weights, which widen element by
-    element) by the scalar loop."""
+    """_gemv_block's contract, by the loop that reads these weights fastest for this many
+    activation rows: row by row for half weights and for fewer than TILE_MIN_ROWS rows; float32
+    weights in 4 x 4 tiles of registers (gemv_tiles.py) at TILE_MIN_ROWS to TILE_MAX_ROWS rows;
+    eight rows at a time beyond."""
     _gemv_block(x, w, y, block)
 
 
 if AVAILABLE:
-    _scalar_block = njit(fastmath=_FASTMATH, cache=True)(_gemv_block)
+    _eight_rows_block = njit(fastmath=_FASTMATH, cache=True)(_gemv_block)
 
     @overload(_block)
     def _block_for(x, w, y, block):
         if w.dtype != types.float32:
-            return lambda x, w, y, block: _scalar_block(x, w, y, block)
+            return lambda x, w, y, block: _row_by_row(x, w, y, block)
 
         def float32_block(x, w, y, block):
-            if x.shape[0] < TILE_MIN_ROWS or x.shape[0] > TILE_MAX_ROWS:
-                _scalar_block(x, w, y, block)
-            else:
+            if x.shape[0] < TILE_MIN_ROWS:
+                _row_by_row(x, w, y, block)
+            elif x.shape[0] <= TILE_MAX_ROWS:
                 tiles_block(x, w, y, block * ROWS, ROWS)
+            else:
+                _eight_rows_block(x, w, y, block)
         return float32_block
 
     @njit(fastmath=_FASTMATH, cache=True)

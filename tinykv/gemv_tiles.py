@@ -3,10 +3,10 @@ time, in vector registers.
 
 Each step along the input channels loads 16 channels of 4 weight rows and of 4 activation rows,
 and does 16 fused multiply-adds: 16 accumulators of 16 lanes, one per (activation row, output
-row) pair. Loads per multiply-add fall from about one (one weight row per accumulator, as the
-scalar loop LLVM vectorizes) to a half, so with a few activation rows the loop stays bound by the
-weights' bytes instead of by loads. The weight rows of the next group are prefetched while these
-are multiplied, so their reads overlap this group's arithmetic instead of following it.
+row) pair. Loads per multiply-add fall from about one (one weight row per accumulator, as in
+the eight-row loop LLVM vectorizes) to a half, so with a few activation rows the loop stays bound
+by the weights' bytes instead of by loads. The weight rows of the next group are prefetched while
+these are multiplied, so their reads overlap this group's arithmetic instead of following it.
 
 Tails: a group past the last activation or output row repeats that row (its sums are computed and
 dropped, reads stay inside the arrays); channels past the last multiple of 16 are added one by
