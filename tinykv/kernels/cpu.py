@@ -78,9 +78,12 @@ class CpuKernels:
 
     STEPS = 4  # a step attends a store pool, a hot pool and staged chunks: tables per step
 
-    def __init__(self, vector: bool = True, threads_min_reads: int = THREADS_MIN_READS):
+    def __init__(self, vector: bool = True, threads_min_reads: int = THREADS_MIN_READS,
+                 head_by_head: bool | None = None):
         assert AVAILABLE, REASON
         self.vector = vector  # the vector kernel where it takes the formats (else cpu_plain's)
+        self.head_by_head = head_by_head  # its value sums a head at a time (None: cpu_vector's
+        # choice per format)
         self.threads_min_reads = threads_min_reads  # fewer (key, KV head) reads: one thread
         self._pools: dict[int, tuple] = {}  # id(pool) -> (weakref to pool, format, arrays)
         self._steps: list[_Step] = []
@@ -143,7 +146,7 @@ class CpuKernels:
         if readable(kf, k_group) and readable(vf, v_group):
             R, k_groups, v_groups = Hq // H, D // k_group, D // v_group
             if self.vector and takes(kf, vf, R, D, BS, k_groups):
-                kernels = vector_kernel(kf, vf, R, D, k_groups, v_groups)
+                kernels = vector_kernel(kf, vf, R, D, k_groups, v_groups, self.head_by_head)
             else:
                 kernels = attention_kernel(kf, vf)
             call = (*kernels, k_arrays, v_arrays, H, BS)

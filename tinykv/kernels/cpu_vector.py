@@ -13,7 +13,8 @@ What changes from the plain kernel, per tile of 16 keys of one KV head:
   the rescaling of every sum. The sums of weights stay one per key lane until the end.
 - Values: each key's codes are widened once to D float lanes (minus the zero point, times the
   scale where scales are per group or per block), then one multiply-add per 16 lanes and head,
-  the key's weight broadcast from memory, adds them into R x D accumulators.
+  the key's weight broadcast from memory, adds them into R x D accumulators. Where those do not
+  fit the registers (AVX2) fp16 and int8 rows go one head at a time instead (`head_by_head`).
 - The next block's codes, and its scales where they change per block, are prefetched.
 
 It takes fp16, int8, int4 and int2 stores (per-token scales, or scales a block shares; per-token
@@ -31,6 +32,7 @@ import numpy as np
 from .cpu_args import SHARED_SCALES, TOKEN_SCALES, PoolFormat
 from .cpu_numerics import BFLOAT, FAST, HALF, INTEGER, LN2, LOG2E, kernel, njit, prange
 from .cpu_simd import (
+    WIDE_VECTORS,
     load,
     prefetch_lines,
     splat,
@@ -89,12 +91,25 @@ def takes(kf: PoolFormat, vf: PoolFormat, R: int, D: int, BS: int, k_groups: int
         and R * D <= 512
 
 
+# Measured interleaved in one process on a Zen 3 (AVX2), head by head against all heads at
+# once, the default model's shape: fp16 0.85-0.92x the time, int8 0.88-1.04x, int4 1.03-1.17x.
+def head_by_head(vf: PoolFormat) -> bool:
+    """Whether the value sums go one query head at a time by default. Where vectors are 256 bits
+    (AVX2: 16 registers of 8 floats) the sums of R heads, R x D lanes (24 registers at R = 3, D =
+    64), do not fit, so a head at a time (8 registers) re-widens each value row per head. That
+    pays for fp16 and int8 rows, one load and convert per 8 lanes, not for packed int4/int2 rows,
+    whose unpacking is the larger part of the work."""
+    return not WIDE_VECTORS and planes(vf) == 1
+
+
 @cache
-def vector_kernel(kf: PoolFormat, vf: PoolFormat, R: int, D: int, k_groups: int,
-                  v_groups: int) -> tuple:
+def vector_kernel(kf: PoolFormat, vf: PoolFormat, R: int, D: int, k_groups: int, v_groups: int,
+                  by_head: bool | None = None) -> tuple:
     """(serial, parallel) vector kernels for one pair of formats and shape (R query heads a KV
     head, D channels, scale groups of K and V); the arguments and work items are
-    cpu_plain.attention_kernel's."""
+    cpu_plain.attention_kernel's. by_head: values summed one query head at a time, or all R at
+    once (None: `head_by_head`'s choice)."""
+    by_head = head_by_head(vf) if by_head is None else by_head
     RD, R16 = R * D, R * TILE  # lanes: R heads x D channels, R heads x 16 keys
     k_int = kf.code == INTEGER
     k_token, k_shared = kf.scales == TOKEN_SCALES, kf.scales == SHARED_SCALES
@@ -244,12 +259,22 @@ def vector_kernel(kf: PoolFormat, vf: PoolFormat, R: int, D: int, k_groups: int,
                     store(buf, 0, w)  # read back a key at a time, a broadcast per head, group
                 else:
                     store(buf, 0, p)
-                acc = load(buf, RG16, RD)
-                for t in range(nt):
-                    x = value(v_codes, first_row + t0 + t, v_scales, v_zeros, v_at + t * vt_stride,
-                              v_scale, v_zero)  # (D,)
-                    acc = acc + spread_loads(buf, t, TILE, R, v_planes, w_gs, D) * repeat(x, R)
-                store(buf, RG16, acc)
+                if by_head:
+                    for r in range(R):
+                        acc = load(buf, RG16 + r * D, D)  # (D,): head r's value sums
+                        for t in range(nt):
+                            x = value(v_codes, first_row + t0 + t, v_scales, v_zeros,
+                                      v_at + t * vt_stride, v_scale, v_zero)  # (D,)
+                            acc = acc + spread_loads(buf, r * G16 + t, TILE, 1, v_planes, w_gs,
+                                                     D) * x
+                        store(buf, RG16 + r * D, acc)
+                else:
+                    acc = load(buf, RG16, RD)
+                    for t in range(nt):
+                        x = value(v_codes, first_row + t0 + t, v_scales, v_zeros,
+                                  v_at + t * vt_stride, v_scale, v_zero)  # (D,)
+                        acc = acc + spread_loads(buf, t, TILE, R, v_planes, w_gs, D) * repeat(x, R)
+                    store(buf, RG16, acc)
         l = segment_sum(l16, TILE)
         store(buf, 0, segment_sum(z16_acc, TILE))  # (R x G): p scale zero summed
         out = (load(buf, RG16, RD) - spread_loads(buf, 0, 1, R, v_planes, w_gs, D)) * \
@@ -258,7 +283,7 @@ def vector_kernel(kf: PoolFormat, vf: PoolFormat, R: int, D: int, k_groups: int,
                                       splat(0.0, RD)))
         store(lse, lse_at, where_positive(l, (m + log2(l)) * LN2, splat(-np.inf, R)))
 
-    @kernel((kf, vf, R, D, k_groups, v_groups), fastmath=FAST, error_model="numpy")
+    @kernel((kf, vf, R, D, k_groups, v_groups, by_head), fastmath=FAST, error_model="numpy")
     def attend_items(first, last, q, q_seq, q_pos, table, ctx_lens, k, v, H, BS, sm_scale, o,
                      lse):
         n_split, N, Hq, _ = o.shape
@@ -275,7 +300,8 @@ def vector_kernel(kf: PoolFormat, vf: PoolFormat, R: int, D: int, k_groups: int,
             attend_item(q, (n * Hq + h * R) * D, sm_scale, table[b], n_keys, lo, hi, h, H, BS,
                         k, v, buf, q_words, o, heads * D, lse, heads)
 
-    @kernel((kf, vf, R, D, k_groups, v_groups), parallel=True, error_model="numpy")
+    @kernel((kf, vf, R, D, k_groups, v_groups, by_head), parallel=True,
+            error_model="numpy")
     def attend_parallel(workers, q, q_seq, q_pos, table, ctx_lens, k, v, H, BS, sm_scale, o,
                         lse):
         n_items = o.shape[0] * o.shape[1] * H
