@@ -25,7 +25,7 @@ from .cpu_args import PoolArrays, as_index, pool_arrays, readable
 from .cpu_numerics import AVAILABLE, REASON, njit, numba
 from .cpu_plain import attention_kernel
 from .cpu_store import quantize_store_cpu, store_args, store_rows  # noqa: F401 (the store)
-from .cpu_vector import takes, vector_kernel
+from .cpu_vector import HEAD_BY_HEAD, takes, vector_kernel
 from .layout import PoolLayer
 from .reference import Partial, paged_attention_ref
 
@@ -79,11 +79,10 @@ class CpuKernels:
     STEPS = 4  # a step attends a store pool, a hot pool and staged chunks: tables per step
 
     def __init__(self, vector: bool = True, threads_min_reads: int = THREADS_MIN_READS,
-                 head_by_head: bool | None = None):
+                 head_by_head: bool = HEAD_BY_HEAD):
         assert AVAILABLE, REASON
         self.vector = vector  # the vector kernel where it takes the formats (else cpu_plain's)
-        self.head_by_head = head_by_head  # its value sums a head at a time (None: cpu_vector's
-        # choice per format)
+        self.head_by_head = head_by_head  # its value sums a query head at a time (cpu_vector)
         self.threads_min_reads = threads_min_reads  # fewer (key, KV head) reads: one thread
         self._pools: dict[int, tuple] = {}  # id(pool) -> (weakref to pool, format, arrays)
         self._steps: list[_Step] = []

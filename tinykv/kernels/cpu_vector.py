@@ -14,7 +14,8 @@ What changes from the plain kernel, per tile of 16 keys of one KV head:
 - Values: each key's codes are widened once to D float lanes (minus the zero point, times the
   scale where scales are per group or per block), then one multiply-add per 16 lanes and head,
   the key's weight broadcast from memory, adds them into R x D accumulators. Where those do not
-  fit the registers (AVX2) fp16 and int8 rows go one head at a time instead (`head_by_head`).
+  fit the registers (AVX2) a tile's rows are unpacked once into L1 and summed a head at a time
+  (`HEAD_BY_HEAD`).
 - The next block's codes, and its scales where they change per block, are prefetched.
 
 It takes fp16, int8, int4 and int2 stores (per-token scales, or scales a block shares; per-token
@@ -91,25 +92,23 @@ def takes(kf: PoolFormat, vf: PoolFormat, R: int, D: int, BS: int, k_groups: int
         and R * D <= 512
 
 
-# Measured interleaved in one process on a Zen 3 (AVX2), head by head against all heads at
-# once, the default model's shape: fp16 0.85-0.92x the time, int8 0.88-1.04x, int4 1.03-1.17x.
-def head_by_head(vf: PoolFormat) -> bool:
-    """Whether the value sums go one query head at a time by default. Where vectors are 256 bits
-    (AVX2: 16 registers of 8 floats) the sums of R heads, R x D lanes (24 registers at R = 3, D =
-    64), do not fit, so a head at a time (8 registers) re-widens each value row per head. That
-    pays for fp16 and int8 rows, one load and convert per 8 lanes, not for packed int4/int2 rows,
-    whose unpacking is the larger part of the work."""
-    return not WIDE_VECTORS and planes(vf) == 1
+# Whether the value sums go one query head at a time: where vectors are 256 bits (AVX2: 16
+# registers of 8 floats), whose registers cannot hold the sums of R heads, R x D lanes (24
+# registers at R = 3, D = 64). Then a tile's value rows are unpacked once into a float32 tile in
+# L1 (16 x D), and each head adds it up in its own D lanes (8 registers), reading the rows back
+# as operands of its multiply-adds. Measured interleaved in one process on a Zen 3 (AVX2), the
+# default model's shape, against all heads at once: fp16 0.82-1.00x the time, int8 0.76-0.93x,
+# int4 0.80-0.95x (each row unpacked per head instead of staged: int4 0.99-1.16x).
+HEAD_BY_HEAD = not WIDE_VECTORS
 
 
 @cache
 def vector_kernel(kf: PoolFormat, vf: PoolFormat, R: int, D: int, k_groups: int, v_groups: int,
-                  by_head: bool | None = None) -> tuple:
+                  by_head: bool = HEAD_BY_HEAD) -> tuple:
     """(serial, parallel) vector kernels for one pair of formats and shape (R query heads a KV
     head, D channels, scale groups of K and V); the arguments and work items are
-    cpu_plain.attention_kernel's. by_head: values summed one query head at a time, or all R at
-    once (None: `head_by_head`'s choice)."""
-    by_head = head_by_head(vf) if by_head is None else by_head
+    cpu_plain.attention_kernel's. by_head: values summed one query head at a time from a tile
+    unpacked in L1 (HEAD_BY_HEAD), or all R at once."""
     RD, R16 = R * D, R * TILE  # lanes: R heads x D channels, R heads x 16 keys
     k_int = kf.code == INTEGER
     k_token, k_shared = kf.scales == TOKEN_SCALES, kf.scales == SHARED_SCALES
@@ -195,7 +194,8 @@ def vector_kernel(kf: PoolFormat, vf: PoolFormat, R: int, D: int, k_groups: int,
     def attend_item(q, q_at, sm_scale, row, n_keys, lo, hi, h, H, BS, k, v, buf, q_words, o,
                     o_at, lse, lse_at):
         """cpu_plain._attend_item in vectors: q and o at flat elements q_at, o_at (R x D), lse
-        at lse_at (R,); buf holds a tile's (R x G x 16) weights then the (R x D) value sums."""
+        at lse_at (R,); buf holds a tile's (R x G x 16) weights, the (R x D) value sums, then
+        (by_head) the tile's (16 x D) value rows."""
         k_codes, k_scales, k_zeros, kb_stride, kh_stride, kt_stride = k[:6]
         v_codes, v_scales, v_zeros, vb_stride, vh_stride, vt_stride = v[:6]
         q_all, q_base, q_sum, q_step = query(q, q_at, sm_scale, q_words)
@@ -260,13 +260,15 @@ def vector_kernel(kf: PoolFormat, vf: PoolFormat, R: int, D: int, k_groups: int,
                 else:
                     store(buf, 0, p)
                 if by_head:
+                    for t in range(nt):  # each value row unpacked once, into L1
+                        store(buf, RG16 + RD + t * D,
+                              value(v_codes, first_row + t0 + t, v_scales, v_zeros,
+                                    v_at + t * vt_stride, v_scale, v_zero))  # (D,)
                     for r in range(R):
                         acc = load(buf, RG16 + r * D, D)  # (D,): head r's value sums
                         for t in range(nt):
-                            x = value(v_codes, first_row + t0 + t, v_scales, v_zeros,
-                                      v_at + t * vt_stride, v_scale, v_zero)  # (D,)
                             acc = acc + spread_loads(buf, r * G16 + t, TILE, 1, v_planes, w_gs,
-                                                     D) * x
+                                                     D) * load(buf, RG16 + RD + t * D, D)
                         store(buf, RG16 + r * D, acc)
                 else:
                     acc = load(buf, RG16, RD)
@@ -287,7 +289,7 @@ def vector_kernel(kf: PoolFormat, vf: PoolFormat, R: int, D: int, k_groups: int,
     def attend_items(first, last, q, q_seq, q_pos, table, ctx_lens, k, v, H, BS, sm_scale, o,
                      lse):
         n_split, N, Hq, _ = o.shape
-        buf = np.empty(RG16 + RD, np.float32)  # weights of a tile, value sums
+        buf = np.empty(RG16 + RD + TILE * D, np.float32)  # a tile's weights, value sums, rows
         q_words = np.empty(2 * RD, np.int16)  # the query of keys read in pairs
         for item in range(first, last):
             n, h, split = item // (H * n_split), item // n_split % H, item % n_split
