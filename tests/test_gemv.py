@@ -94,13 +94,13 @@ def test_rope_cpu_is_apply_rope():
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(5, 7, 64, generator=gen)
     cos, sin = torch.randn(5, 1, 64, generator=gen), torch.randn(5, 1, 64, generator=gen)
-    y = gemv.rope_cpu(x, cos, sin, reference=apply_rope)
+    y = gemv_layer.rope_cpu(x, cos, sin, reference=apply_rope)
     want = apply_rope(x, cos, sin)  # two products and a sum, each rounded once
     rolled = x.roll(32, -1)
     limit = 2 * U32 * ((x * cos).abs() + (rolled * sin).abs())
     assert bool(((y - want).abs() <= limit).all())
     for args in [(x.double(), cos.double(), sin.double()), (x[None], cos[None], sin[None])]:
-        torch.testing.assert_close(gemv.rope_cpu(*args, reference=apply_rope),
+        torch.testing.assert_close(gemv_layer.rope_cpu(*args, reference=apply_rope),
                                    apply_rope(*args))  # other shapes and dtypes: the reference
 
 
@@ -138,7 +138,7 @@ def test_from_pretrained_chooses_the_gemv_on_the_cpu(smollm2_dir):
     model = Transformer.from_pretrained(smollm2_dir, device="cpu", dtype=torch.float32)
     assert model.layers[0].attn.wqkv.product.func is gemv.linear_cpu
     assert model.lm_head.product.func is gemv.linear_cpu
-    assert model.layers[0].attn.rope.func is gemv.rope_cpu
+    assert model.layers[0].attn.rope.func is gemv_layer.rope_cpu
     assert model.layers[0].attn.project.func is gemv_layer.project_cpu
     assert model.layers[0].finish.func is gemv_layer.finish_cpu
 

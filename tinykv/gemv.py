@@ -235,17 +235,6 @@ if AVAILABLE:
 
     _linear_serial, _linear_parallel = serial_and_parallel(_linear, ("gemv", _SOURCES))
 
-    @njit(cache=True)  # no fastmath: the reference's roundings, x * cos + rotated * sin
-    def _rope_rows(x, cos, sin, out):
-        """out (N, H, D) = x * cos + roll(x, D / 2) * sin, cos/sin (N, D) per row (apply_rope)."""
-        half = x.shape[2] // 2
-        for n in range(x.shape[0]):
-            for h in range(x.shape[1]):
-                for i in range(x.shape[2]):
-                    j = i + half if i < half else i - half
-                    out[n, h, i] = x[n, h, i] * cos[n, i] + x[n, h, j] * sin[n, i]
-
-
 
 _NONE_1D = np.empty(0, np.float32)  # an absent bias or norm weight, for the kernels
 _NONE_2D = np.empty((0, 0), np.float32)  # an absent residual
@@ -332,20 +321,6 @@ def _in_float32(x, weight, bias, norm, residual, swiglu, reference) -> torch.Ten
     bias = None if bias is None else bias.to(torch.float32)
     y = linear_cpu(x, weight, bias, None, None, swiglu, reference=reference).to(dtype)
     return y if residual is None else residual + y
-
-
-def rope_cpu(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
-             reference: Callable) -> torch.Tensor:
-    """`reference`'s contract (model.apply_rope): x (N, H, D) with cos/sin (N, 1, D) in one
-    kernel call for float32 rows; other shapes and dtypes through `reference`."""
-    if (x.dim() != 3 or x.dtype != torch.float32 or x.stride(-1) != 1 or x.device.type != "cpu"
-            or cos.shape != (x.shape[0], 1, x.shape[2]) or not _float32_rows(cos)
-            or not _float32_rows(sin) or sin.shape != cos.shape):
-        return reference(x, cos, sin)
-    out = np.empty(x.shape, np.float32)  # (N, H, D)
-    _rope_rows(x.numpy(), cos.view(x.shape[0], -1).numpy(), sin.view(x.shape[0], -1).numpy(),
-               out)
-    return torch.from_numpy(out)
 
 
 def rms_norm_cpu(x: torch.Tensor, normalized_shape: list[int], weight: torch.Tensor | None = None,

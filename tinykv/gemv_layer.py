@@ -13,7 +13,7 @@ Both run gemv's blocked GEMV (`gemv._block`) and epilogue; the compiled code is 
 contract's steps in the same order, so only the summation order of each dot product differs.
 Anything else (prefill chunks, more rows than the GEMV takes (`gemv.fits`), LayerNorm, half
 activations, RoPE-less models) goes to the torch reference the function is given, as
-gemv.linear_cpu does.
+gemv.linear_cpu does. `rope_cpu` is RoPE alone in one pass, for rows the fused calls do not take.
 """
 
 from __future__ import annotations
@@ -37,6 +37,16 @@ _SOURCES = hashlib.sha256(b"".join((Path(__file__).parent / name).read_bytes()
 _SOURCES = _SOURCES.hexdigest()
 
 if AVAILABLE:
+    @njit(cache=True)  # no fastmath: the reference's roundings, x * cos + rotated * sin
+    def _rope_rows(x, cos, sin, out):
+        """out (N, H, D) = x * cos + roll(x, D / 2) * sin, cos/sin (N, D) per row (apply_rope)."""
+        half = x.shape[2] // 2
+        for n in range(x.shape[0]):
+            for h in range(x.shape[1]):
+                for i in range(x.shape[2]):
+                    j = i + half if i < half else i - half
+                    out[n, h, i] = x[n, h, i] * cos[n, i] + x[n, h, j] * sin[n, i]
+
     @njit(fastmath=gemv._FASTMATH, inline="always", cache=True)
     def _rope_epilogue(y, bias, cos, sin, out_qk, out_v):
         """out_qk (B, R, hd) = RoPE of y's first R heads (+ bias), as model.apply_rope: y * cos +
@@ -216,6 +226,20 @@ def _finish_params(block) -> list | None:
             mlp.w_out.weight, mlp.w_out.bias]
 
 
+def rope_cpu(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
+             reference: Callable) -> torch.Tensor:
+    """`reference`'s contract (model.apply_rope): x (N, H, D) with cos/sin (N, 1, D) in one
+    kernel call for float32 rows; other shapes and dtypes through `reference`."""
+    if (x.dim() != 3 or x.dtype != torch.float32 or x.stride(-1) != 1 or x.device.type != "cpu"
+            or cos.shape != (x.shape[0], 1, x.shape[2]) or not gemv._float32_rows(cos)
+            or not gemv._float32_rows(sin) or sin.shape != cos.shape):
+        return reference(x, cos, sin)
+    out = np.empty(x.shape, np.float32)  # (N, H, D)
+    _rope_rows(x.numpy(), cos.view(x.shape[0], -1).numpy(), sin.view(x.shape[0], -1).numpy(),
+               out)
+    return torch.from_numpy(out)
+
+
 def select_kernels(device: torch.device | str, linear: Callable, rope: Callable,
                    project: Callable, finish: Callable) -> dict:
     """The model's kernels for `device`, chosen once, when it loads: on the CPU with numba the
@@ -224,7 +248,7 @@ def select_kernels(device: torch.device | str, linear: Callable, rope: Callable,
     model.finish_layer); elsewhere the references."""
     if torch.device(device).type == "cpu" and AVAILABLE:
         return {"product": partial(gemv.linear_cpu, reference=linear),
-                "rope": partial(gemv.rope_cpu, reference=rope),
+                "rope": partial(rope_cpu, reference=rope),
                 "project": partial(project_cpu, cache={}, reference=project),
                 "finish": partial(finish_cpu, cache={}, reference=finish)}
     return {"product": linear, "rope": rope, "project": project, "finish": finish}
