@@ -72,10 +72,10 @@ TILE_BATCH = 64  # the same for float32 weights, read in tiles (gemv_tiles.py)
 # on a Zen 3 (AVX2), row by row against the eight-row loop: float32 1 row 0.75x the time, 2 rows
 # 0.88x, 4 rows 1.18x; bf16 0.56x to 0.84x at 1 to 8 rows, fp16 0.65x to 1.0x.
 TILE_MIN_ROWS = 3
-# Row by row, the lines of the row this many ahead are requested while one is summed: a single
-# stream otherwise waits on the hardware prefetcher, which stops at every 4 KiB page (121
-# matrices at batch 1 on a Sapphire Rapids, interleaved: 1.08-1.2x the read rate; 2 rows ahead
-# as good, 8 no better)
+# Row by row, the lines of the row this many ahead are requested while one is summed, so more
+# reads are in flight than the hardware prefetcher keeps for one stream (it also stops at each
+# 4 KiB page). 121 matrices at batch 1 on a Sapphire Rapids, interleaved: 1.01-1.12x the read
+# rate; 2 rows ahead as good, 8 no better.
 PREFETCH_ROWS = 4
 # More rows than this: the eight-row loop. With 256-bit vectors (AVX2) a tile's 16 accumulators
 # are 32 registers' worth in 16: per step of 16 channels its hot loop does 32 multiply-adds and
