@@ -232,7 +232,8 @@ class PagedKVCache:
         if HOT in plan.tables:
             k, v = self.pools.hot_views[layer]
             parts.append(self._attend_pool(q, plan, k, v, plan.tables[HOT]))
-        return self.kernels.merge(parts)[0].to(q.dtype)
+        o = self.kernels.merge(parts)[0]  # (N, Hq, D) float32
+        return o if o.dtype == q.dtype else o.to(q.dtype)  # `to` costs an op even as a no-op
 
     def _attend_pool(self, q, plan: Plan, k, v, table) -> tuple[torch.Tensor, torch.Tensor]:
         """(o, lse) of the queries over one pool's blocks `table` (B, MB)."""

@@ -187,8 +187,10 @@ class KVPools:
                 self.hot[0, layer, blk, :, off] = k[idx].to(self.dtype)
                 self.hot[1, layer, blk, :, off] = v[idx].to(self.dtype)
                 continue
+            every = isinstance(idx, slice)  # all the step's tokens: no copy (an op each)
             for x, pl in zip((k, v), self.views[layer]):
-                n_sat = self.store_fn(x[idx], pl.p, pl.data, pl.scale, pl.zero, blk, off)
+                n_sat = self.store_fn(x if every else x[idx], pl.p, pl.data, pl.scale, pl.zero,
+                                      blk, off)
                 if not isinstance(n_sat, int) or n_sat:  # adding a Python 0 costs an op too
                     self._saturated += n_sat
 

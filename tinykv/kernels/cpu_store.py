@@ -39,7 +39,8 @@ class StoreArgs(NamedTuple):
     fmt: tuple  # cpu_args.PoolFormat, as a plain tuple (numba dispatches those fast)
     arrays: tuple  # cpu_args.PoolArrays
     block_size: int
-    limits: tuple  # float32 (qmax, lowest code, highest code, slack, zero room, tiny, big)
+    limits: tuple  # (qmax, lowest code, highest code, slack, zero room, tiny, big), each a
+    # float32 value as a Python float
     dynamic: bool  # scales computed per token (not static, not a float format)
 
 
@@ -61,7 +62,7 @@ def store_args(p: QuantParams, data: torch.Tensor, scale: torch.Tensor | None,
     lo, hi = (-FP8_MAX, FP8_MAX) if fp8 else (p.qmin + p.offset, p.qmax + p.offset)
     room = zero_room(p, scale_dtype)
     slack = 0.0 if fp8 else 0.5  # a code rounds into range from half a step outside it
-    limits = tuple(np.float32(c) for c in (p.qmax, lo, hi, slack, room, fi.tiny, fi.max))
+    limits = tuple(float(np.float32(c)) for c in (p.qmax, lo, hi, slack, room, fi.tiny, fi.max))
     return StoreArgs(fmt=tuple(fmt), arrays=arrays, block_size=BS, limits=limits,
                      dynamic=dynamic)
 
@@ -72,7 +73,10 @@ def _store_kernel(x, blk, off, fmt, pool, BS, limits, dynamic):
     quant.compute_scales + quant.quantize; returns the count of saturated values and NaNs."""
     code, bits, scale_kind, scale_code, has_zero, offset = fmt
     codes, scales, zeros, block_stride, head_stride, token_stride, group_stride, gs = pool
-    qmax, lo, hi, slack, room, tiny, big = limits
+    # float32 as store_args rounded them (numba dispatches a tuple of Python floats faster)
+    qmax, lo, hi = np.float32(limits[0]), np.float32(limits[1]), np.float32(limits[2])
+    slack, room = np.float32(limits[3]), np.float32(limits[4])
+    tiny, big = np.float32(limits[5]), np.float32(limits[6])
     n, H, D = x.shape
     pb = D // codes.shape[1]  # codes per stored element
     out = np.empty(D, np.int64)
