@@ -688,6 +688,21 @@ def test_bench_kernel_block_larger_than_a_context(tmp_path: Path, block_size: st
         {32, 80}
 
 
+def test_bench_cpu_kernel_prints_its_ceilings_and_fixed_costs(tmp_path: Path) -> None:
+    """bench kernel --cpu --quick: each row beside its touch ceiling, and the fixed costs per
+    call in a loop and right after a layer's worth of reads (cold), in the JSON and printed."""
+    work, _ = prepare(tmp_path)
+    r = run_cli(["bench", "kernel", "--cpu", "--quick", "--kv", "int8", "--out", "k.json"], work)
+    assert r.returncode == 0, r.stderr
+    results = json.loads((work / "k.json").read_text())
+    assert {(row["batch"], row["context"]) for row in results["rows"]} == {(1, 256), (2, 128)}
+    assert all(row["touch_ms"] > 0 and row["ms"] > 0 for row in results["rows"])
+    fixed = results["fixed_us"]["int8"]
+    assert all(fixed[k] > 0 for k in ("attend_us", "dispatch_us", "store_us", "attend_cold_us",
+                                      "store_cold_us"))
+    assert "cold: attend" in r.stdout
+
+
 @pytest.mark.skipif(not NO_GPU, reason="with a GPU, --attention triton runs compiled")
 def test_triton_interpreter_on_the_cpu(files: dict[str, str], tmp_path: Path) -> None:
     """TRITON_INTERPRET=1: the Triton kernels decode on the CPU, through Triton's interpreter."""

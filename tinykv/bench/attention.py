@@ -13,7 +13,9 @@ shape (3 KV heads of 3 query heads, head_dim 64, blocks of 16, in shuffled physi
 - cycles per key and KV head, at the clock measured here (a chain of dependent 1-cycle ops), and
   the FMA peak (a loop of independent vector FMAs; torch's matmul would measure its own kernel)
   and the share of it the call's FMAs (q . k and p * v) reach;
-- the fixed cost of a call (`fixed_costs`): attention over one key, and the store of one token.
+- the fixed cost of a call (`fixed_costs`): attention over one key, and the store of one token,
+  in a loop (everything it touches stays in the caches) and right after COLD_BYTES are read (as
+  in a decode step, where each layer's weights stream through the caches between its calls).
 Every layer call reads its own pool (pseudo-layers cycled past the last-level cache), so K/V come
 from DRAM as in a real decode step. Specs and the touch are interleaved, repetition by repetition,
 so drift in the machine's speed hits them alike; each number is a median over repetitions.
@@ -36,6 +38,9 @@ from ..quant import compute_scales, quantize
 from ..spec import KVSpec, QuantParams
 
 SHAPE = dict(kv_heads=3, n_rep=3, head_dim=64, block_size=16)  # the default model's
+# Read before each "cold" call: about one decode layer's weights of the default model (14 MB),
+# more than this class of CPU's L2 and the share of L3 a busy host leaves one guest.
+COLD_BYTES = 16 * 2**20
 MODES = {"full": dict(shapes=[(1, 4096), (1, 8192), (16, 1024)], reps=7),
          "quick": dict(shapes=[(1, 256), (2, 128)], reps=2)}
 KIVI = "k=int4:channel:asym,v=int4:g32:asym"
@@ -257,13 +262,16 @@ def fixed_costs(spec: str, calls: int = 300, rounds: int = 5) -> dict:
              H, SHAPE["block_size"], np.float32(0.125), np.empty((1, 1, H * R, D), np.float32),
              np.empty((1, 1, H * R), np.float32))
     out = {"attend_us": _per_call(attend, calls, rounds),
-           "dispatch_us": _per_call(lambda: serial(0, 0, *empty), calls, rounds)}
+           "dispatch_us": _per_call(lambda: serial(0, 0, *empty), calls, rounds),
+           "attend_cold_us": _per_call_cold(attend)}
     side = kv.k if not kv.k.block_wise else kv.v
     pool = k if side is kv.k else v
     if not side.block_wise:
         x = torch.randn(1, H, D, generator=gen)  # (1, H, D): one new token
-        out["store_us"] = _per_call(lambda: kernels.store(x, side, pool.data, pool.scale,
-                                                          pool.zero, zero, zero), calls, rounds)
+        def store() -> None:
+            kernels.store(x, side, pool.data, pool.scale, pool.zero, zero, zero)
+        out["store_us"] = _per_call(store, calls, rounds)
+        out["store_cold_us"] = _per_call_cold(store)
     return out
 
 
@@ -276,6 +284,20 @@ def _per_call(fn, calls: int, rounds: int) -> float:
             fn()
         best = min(best, (time.perf_counter() - t0) / calls)
     return 1e6 * best
+
+
+def _per_call_cold(fn, calls: int = 30) -> float:
+    """Median microseconds of a call right after COLD_BYTES are read: the code and data it
+    touches (Python's, torch's, numba's, the pool's) come from memory again."""
+    flush = np.ones(COLD_BYTES // 4, np.float32)
+    fn()
+    times = []
+    for _ in range(calls):
+        flush.sum()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1e6 * statistics.median(times)
 
 
 def set_threads(n: int) -> None:
@@ -349,12 +371,15 @@ def render(results: dict) -> str:
 def _render_fixed(fixed: dict) -> list[str]:
     """The per-call costs that do not depend on the context, one line per spec."""
     lines = ["", "Fixed cost per layer call (us, best loop): attention over 1 key (of it, the "
-             "compiled kernel given no work), and the store of one token's K or V:", ""]
+             "compiled kernel given no work), and the store of one token's K or V; then the "
+             f"same right after {COLD_BYTES >> 20} MiB are read (median), as between a decode "
+             "step's layers:", ""]
     for spec, f in fixed.items():
         name = "KIVI-style" if spec.startswith(KIVI) else spec
         store = f"{f['store_us']:.1f}" if "store_us" in f else "-"
+        cold = [f"{f[k]:.0f}" if k in f else "-" for k in ("attend_cold_us", "store_cold_us")]
         lines.append(f"- `{name}`: attend {f['attend_us']:.1f} (kernel {f['dispatch_us']:.1f}), "
-                     f"store {store}")
+                     f"store {store}; cold: attend {cold[0]}, store {cold[1]}")
     return lines if fixed else []
 
 
