@@ -11,7 +11,14 @@ import torch
 import torch.nn.functional as F
 
 from tinykv import gemv, gemv_layer
-from tinykv.model import Transformer, apply_rope, finish_layer, fused_linear, project_qkv
+from tinykv.model import (
+    Transformer,
+    apply_rope,
+    finish_layer,
+    fused_linear,
+    project_qkv,
+    run_layers,
+)
 
 pytestmark = pytest.mark.skipif(not gemv.AVAILABLE, reason="numba is not installed")
 U32 = 2.0**-24
@@ -123,7 +130,7 @@ def test_the_model_decodes_through_the_gemv(small_model, monkeypatch):
     small_model.use_kernels()
     want = small_model(tokens)
     small_model.use_kernels(**gemv_layer.select_kernels("cpu", fused_linear, apply_rope,
-                                                        project_qkv, finish_layer))
+                                                        project_qkv, finish_layer, run_layers))
     try:
         got = small_model(tokens)
     finally:

@@ -11,7 +11,15 @@ import pytest
 import torch
 
 from tinykv import gemv, gemv_layer
-from tinykv.model import Config, Transformer, apply_rope, finish_layer, fused_linear, project_qkv
+from tinykv.model import (
+    Config,
+    Transformer,
+    apply_rope,
+    finish_layer,
+    fused_linear,
+    project_qkv,
+    run_layers,
+)
 
 pytestmark = pytest.mark.skipif(not gemv.AVAILABLE, reason="numba is not installed")
 U = 2.0**-24
@@ -37,7 +45,8 @@ def layer(bias: bool, dtype=torch.float32, seed=0) -> Transformer:
 
 
 def kernels() -> dict:
-    return gemv_layer.select_kernels("cpu", fused_linear, apply_rope, project_qkv, finish_layer)
+    return gemv_layer.select_kernels("cpu", fused_linear, apply_rope, project_qkv, finish_layer,
+                                     run_layers)
 
 
 def exact_norm(h: torch.Tensor, norm) -> tuple[torch.Tensor, torch.Tensor]:

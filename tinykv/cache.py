@@ -2,15 +2,15 @@
 slots; the model calls `plan.attend(layer, q, k, v)` in each layer; `commit()` finishes the step.
 
 The cache joins parts each readable alone: the block tables (tables.py: integers), the pools
-(pools.py: tensors), the offload tiers (offload.py) and the eviction policy (evict.py). Here: the
-step's `Plan`; attention over the store pool, the hot blocks and offloaded chunks, merged exactly by
-log-sum-exp; eviction's keeping. The kernels are chosen once, when the cache is built (kernels/).
+(pools.py: tensors), the offload tiers (offload.py), the eviction policy (evict.py) and a step's
+`Plan` (plan.py). Here: the plan made; attention over the store pool, the hot blocks and offloaded
+chunks, merged exactly by log-sum-exp; eviction's keeping. The kernels are chosen once, when the
+cache is built (kernels/).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
 import torch
 
@@ -18,7 +18,8 @@ from . import evict
 from .blocks import DISK, HOST, HOT, STORE, CacheError, PoolExhausted
 from .kernels import Kernels, select_kernels
 from .model import Config
-from .offload import OffloadConfig, Offloader, StagedChunk, is_one_pass
+from .offload import OffloadConfig, Offloader, is_one_pass
+from .plan import Plan
 from .pools import KVPools, SlotIndex, block_bytes, check_fits, hot_blocks, store_blocks
 from .quant import layer_transforms
 from .spec import KVSpec
@@ -26,39 +27,6 @@ from .tables import BlockTables, Slots
 
 __all__ = ["CacheError", "Kernels", "PagedKVCache", "Plan", "PoolExhausted", "block_bytes",
            "hot_blocks", "make_cache", "select_kernels"]
-
-
-@dataclass
-class Plan:
-    """Everything one forward step needs to know about where its tokens live. It implements the
-    model's cache protocol (model.KVStep): `attend(layer, q, k, v)` stores this step's keys and
-    values, then attends over everything the step's sequences have cached."""
-    cache: PagedKVCache
-    seq_ids: list[int]
-    positions: torch.Tensor  # (N,) absolute position of every packed token (RoPE)
-    q_slots: torch.Tensor  # (N,) its slot in the cache: it attends to slots <= this one
-    q_seq: torch.Tensor  # (N,) row of the sequence each token belongs to
-    ctx_lens: torch.Tensor  # (B,) slots each sequence holds after this step
-    tables: dict[int, torch.Tensor]  # pool -> (B, MB) block ids, -1 where a block is elsewhere
-    slots: dict[int, SlotIndex]  # pool -> where this step's tokens are written
-    logits_idx: torch.Tensor | None  # packed rows whose logits are wanted (None: all)
-    offload_chunks: list[StagedChunk] = field(default_factory=list)  # offloaded blocks, staged
-    n_new: list[int] = field(default_factory=list)  # tokens each sequence feeds this step
-    sampled: list[bool] = field(default_factory=list)  # whose last token's logits are wanted
-
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q (N, Hq, D), k, v (N, H, D) -> o (N, Hq, D).
-
-        `:center`, `:smooth` and `:rot` transform keys (after RoPE), queries and values before
-        they reach the pools and the kernels, and the output after (quant.Transform): scores and
-        outputs are unchanged in exact arithmetic, and every kernel serves them as is."""
-        transform = self.cache.transforms[layer]
-        q, k, v = transform.queries(q), transform.keys(k), transform.values(v)  # (N, Hq|H, D)
-        self.cache.pools.write(layer, k, v, self.slots)
-        o = self.cache.attend(layer, q, self)  # (N, Hq, D)
-        if self.cache.scores is not None:  # policies that keep what queries attend to
-            self.cache.score_attention(layer, q, self)
-        return transform.output(o)
 
 
 class PagedKVCache:

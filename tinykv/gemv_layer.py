@@ -217,6 +217,49 @@ def finish_cpu(block, o: torch.Tensor, x: torch.Tensor, *, cache: dict,
     return torch.from_numpy(out)
 
 
+def layers_cpu(model, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
+               plan, *, cache: dict, reference: Callable) -> torch.Tensor:
+    """model.run_layers' contract for a decode step on one thread, with numpy between the
+    compiled calls: each layer's project, the cache's store and attention (the plan's `direct`
+    calls: kernels.cpu.DirectLayers), finish; the same kernels on the same arrays as the
+    per-layer path, with no torch op between them. `reference` for anything else: other caches
+    or steps (Plan.direct is None), several threads, rows or layers the fused calls do not take."""
+    cfg = model.cfg
+    direct = getattr(plan, "direct", None)  # calibrate's Recorder attends in torch
+    if direct is None or gemv._threads() != 1 or not _rows(x):
+        return reference(model, x, cos, sin, plan)
+    tables = _rope_tables(cache, x, cos, sin, cfg.head_dim)
+    layers = [_layer_arrays(cache, block, x.shape[0]) for block in model.layers] if tables \
+        else [None]
+    attend = all(layers) and direct()
+    if not attend:
+        return reference(model, x, cos, sin, plan)
+    rows, Hq = x.shape[0], cfg.n_heads
+    x_rows = x.numpy()  # (N, dim)
+    for layer, (((norm1, w_qkv, b_qkv), eps1, _), (finish, eps2, _)) in enumerate(layers):
+        w_o, b_o, norm2, w_in, b_in, w_out, b_out = finish
+        qk = np.empty((rows, Hq + cfg.n_kv_heads, cfg.head_dim), np.float32)  # q|k heads
+        v = np.empty((rows, cfg.n_kv_heads, cfg.head_dim), np.float32)
+        _project_serial(x_rows, norm1, eps1, w_qkv, b_qkv, tables[0], tables[1], qk, v)
+        o = attend(layer, qk[:, :Hq], qk[:, Hq:], v)  # (N, Hq, hd)
+        out = np.empty_like(x_rows)  # (N, dim)
+        _finish_serial(o.reshape(rows, -1), x_rows, w_o, b_o, norm2, eps2, w_in, b_in, w_out,
+                       b_out, out)
+        x_rows = out
+    return torch.from_numpy(x_rows)
+
+
+def _layer_arrays(cache: dict, block, rows: int) -> tuple | None:
+    """A block's (project, finish) arrays as _prepared keeps them, or None where a fused call
+    does not take the block or this many rows."""
+    project = _prepared(cache, block.attn, block.norm1, lambda: [
+        block.norm1.weight, block.attn.wqkv.weight, block.attn.wqkv.bias])
+    finish = _prepared(cache, block, block.norm2, lambda: _finish_params(block))
+    if not project or not finish or rows > min(project[2], finish[2]):
+        return None
+    return project, finish
+
+
 def _finish_params(block) -> list | None:
     """The parameters finish_cpu reads, in its kernel's order; None for a GELU MLP."""
     wo, mlp = block.attn.wo, block.mlp
@@ -241,14 +284,16 @@ def rope_cpu(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
 
 
 def select_kernels(device: torch.device | str, linear: Callable, rope: Callable,
-                   project: Callable, finish: Callable) -> dict:
+                   project: Callable, finish: Callable, layers: Callable) -> dict:
     """The model's kernels for `device`, chosen once, when it loads: on the CPU with numba the
     kernels of gemv.py and of this module, each falling back to the reference it is given (`linear`:
     model.fused_linear, `rope`: model.apply_rope, `project`: model.project_qkv, `finish`:
-    model.finish_layer); elsewhere the references."""
+    model.finish_layer, `layers`: model.run_layers); elsewhere the references."""
     if torch.device(device).type == "cpu" and AVAILABLE:
         return {"product": partial(gemv.linear_cpu, reference=linear),
                 "rope": partial(rope_cpu, reference=rope),
                 "project": partial(project_cpu, cache={}, reference=project),
-                "finish": partial(finish_cpu, cache={}, reference=finish)}
-    return {"product": linear, "rope": rope, "project": project, "finish": finish}
+                "finish": partial(finish_cpu, cache={}, reference=finish),
+                "layers": partial(layers_cpu, cache={}, reference=layers)}
+    return {"product": linear, "rope": rope, "project": project, "finish": finish,
+            "layers": layers}

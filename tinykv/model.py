@@ -183,6 +183,14 @@ def project_qkv(attn: Attention, x: torch.Tensor, norm: nn.Module, cos: torch.Te
     return qk, v.view(*x.shape[:-1], -1, attn.cfg.head_dim)
 
 
+def run_layers(model: Transformer, x: torch.Tensor, cos: torch.Tensor | None,
+               sin: torch.Tensor | None, plan: KVStep | None) -> torch.Tensor:
+    """The blocks in turn: x (..., dim) -> (..., dim). One call for a CPU decode step."""
+    for block in model.layers:
+        x = block(x, cos, sin, plan)
+    return x
+
+
 def finish_layer(block: Block, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """A layer after its attention o (..., q_size): h = x + o Wo^T + b, then h + mlp(norm2(h)).
     One call in the CPU's decode."""
@@ -258,6 +266,7 @@ class Block(nn.Module):
 
 class Transformer(nn.Module):
     """The decoder: embeddings, the blocks, the final norm and the LM head."""
+    layers_fn: Callable = staticmethod(run_layers)  # chosen at load, like Linear.product
 
     def __init__(self, cfg: Config):
         super().__init__()
@@ -275,9 +284,12 @@ class Transformer(nn.Module):
             self.register_buffer("rope_sin", sin, persistent=False)
 
     def use_kernels(self, product: Callable = fused_linear, rope: Callable = apply_rope,
-                    project: Callable = project_qkv, finish: Callable = finish_layer) -> None:
+                    project: Callable = project_qkv, finish: Callable = finish_layer,
+                    layers: Callable = run_layers) -> None:
         """From now on: linear layers through `product` (norms fused in), RoPE through `rope`, a
-        layer's q/k/v through `project` and its part after attention through `finish`."""
+        layer's q/k/v through `project` and its part after attention through `finish`, the
+        blocks through `layers`."""
+        self.layers_fn = layers
         for m in self.modules():
             if isinstance(m, Linear):
                 m.product = product
@@ -302,8 +314,7 @@ class Transformer(nn.Module):
         else:  # (..., T, 1, hd) broadcasts over heads
             cos = self.rope_cos[positions].unsqueeze(-2).to(x.dtype)
             sin = self.rope_sin[positions].unsqueeze(-2).to(x.dtype)
-        for block in self.layers:
-            x = block(x, cos, sin, plan)
+        x = self.layers_fn(self, x, cos, sin, plan)
         if plan is not None and plan.logits_idx is not None:
             x = x[plan.logits_idx]  # only the rows we sample from: the vocab matmul is costly
         return self.lm_head(x, norm=self.norm).float()
@@ -345,5 +356,5 @@ class Transformer(nn.Module):
         model = model.to(device=device, dtype=dtype).eval()
         from .gemv_layer import select_kernels  # numba loads with a model, not here
         model.use_kernels(**select_kernels(device, fused_linear, apply_rope, project_qkv,
-                                           finish_layer))  # chosen once
+                                           finish_layer, run_layers))  # chosen once
         return model

@@ -169,6 +169,10 @@ class KVPools:
         n_k = len(g.k.moving())
         return g.k.layer(local, moving[:n_k]), g.v.layer(local, moving[n_k:])
 
+    def add_saturated(self, n: int) -> None:
+        """Count n more clipped values, from a store made outside `write` (kernels.cpu.direct)."""
+        self._saturated += n
+
     @property
     def saturated(self) -> int:
         """Values that scales clipped (and NaNs) since the pools were made."""

@@ -102,6 +102,11 @@ class Transform:
             o = o + self.mv.repeat_interleave(n_rep, 0)  # (Hq, D)
         return o
 
+    @property
+    def identity(self) -> bool:
+        """Whether it leaves keys, queries, values and outputs as they are."""
+        return all(t is None for t in (self.rk, self.rv, self.mk, self.mv, self.sk, self.sq))
+
     def to(self, device: torch.device | str, dtype: torch.dtype) -> Transform:
         moved = [None if t is None else t.to(device, dtype) for t in
                  (self.rk, self.rv, self.mk, self.mv, self.sk, self.sq)]

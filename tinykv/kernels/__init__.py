@@ -42,6 +42,9 @@ class Kernels:
     # one pass (no staging copies). False for a GPU kernel, even one the interpreter runs.
     reads_host_memory: bool
     merge: Callable = merge_partials  # merges attend's partials over disjoint key sets
+    # A step's store and attention as numpy calls, layer by layer (cpu.CpuKernels.direct), or
+    # None where the implementation has none: the cache then goes through store and attend.
+    direct: Callable | None = None
 
 
 def select_kernels(attention: str, device: torch.device) -> Kernels:
@@ -69,7 +72,7 @@ def select_kernels(attention: str, device: torch.device) -> Kernels:
         from . import cpu
         kernels = cpu.CpuKernels()  # one per cache: it keeps the arguments it converts
         return Kernels("cpu", kernels.attend, kernels.store, reads_host_memory=True,
-                       merge=cpu.merge_partials_cpu)
+                       merge=cpu.merge_partials_cpu, direct=kernels.direct)
     return Kernels("torch", paged_attention_ref, quantize_store_ref,
                    reads_host_memory=device.type == "cpu")
 

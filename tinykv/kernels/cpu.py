@@ -11,11 +11,16 @@ This file holds what a call costs beside the kernel itself, and how the work is 
   a call of few reads (a short context) stays on one thread, as starting them costs more.
 - Rows of more than CHUNK_MAX queries (prefill chunks) go to the reference, which reads a row once
   for all its queries; the kernel reads it once per query.
+- `direct` hands a decode step's store and attention to the model as numpy calls, layer by layer
+  (`DirectLayers`): the same kernels and arguments as `store` and `attend`, without the torch
+  tensors around them. In a decode step each op between two layers' weight reads runs with cold
+  caches (bench kernel --cpu's cold fixed costs), so the ops it saves cost more than in a loop.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -24,7 +29,7 @@ from ..spec import QuantParams
 from .cpu_args import PoolArrays, as_index, pool_arrays, readable
 from .cpu_numerics import AVAILABLE, REASON, njit, numba
 from .cpu_plain import attention_kernel
-from .cpu_store import quantize_store_cpu, store_args, store_rows  # noqa: F401 (the store)
+from .cpu_store import quantize_store_cpu, store_args, store_kernel, store_rows  # noqa: F401
 from .cpu_vector import HEAD_BY_HEAD, takes, vector_kernel
 from .layout import PoolLayer
 from .reference import Partial, paged_attention_ref
@@ -90,6 +95,7 @@ class CpuKernels:
         self._threads_set = 0  # torch's thread count numba was last set to follow
         self._slots: tuple = (None, None, None)  # the last store's (blk, off, versions, arrays)
         self._scale = (None, None)  # the softmax scale, and as the kernels take it
+        self._layers = None  # direct: (the layers' pools, (Hq, D), their calls), made once
 
     def attend(self, q: torch.Tensor, q_seq: torch.Tensor, q_pos: torch.Tensor, k: PoolLayer,
                v: PoolLayer, block_table: torch.Tensor, ctx_lens: torch.Tensor, sm_scale: float,
@@ -128,6 +134,26 @@ class CpuKernels:
         if num_splits > 1:
             _merge_splits(o, lse)
         return torch.from_numpy(o[0]), torch.from_numpy(lse[0])
+
+    def direct(self, q_seq: torch.Tensor, q_pos: torch.Tensor, table: torch.Tensor,
+               ctx_lens: torch.Tensor, blk: torch.Tensor, off: torch.Tensor,
+               layers: list[tuple[PoolLayer, PoolLayer]], Hq: int, D: int, sm_scale: float,
+               count_saturated: Callable[[int], None]) -> DirectLayers | None:
+        """A step's `store` (every token at blk, off) and `attend` for each layer's pools
+        (K, V), as numpy calls on one thread; None where the step needs more than one kernel
+        call a layer (prefill chunks, several threads) or a pool is not read or written in
+        place. Clipped values go to `count_saturated`, as the pools count them."""
+        step = self._step(q_seq, q_pos, table, ctx_lens)
+        if step.chunked or q_seq.dim() != 1 or self._threads() != 1:
+            return None
+        if self._layers is None or self._layers[0] is not layers or self._layers[1] != (Hq, D):
+            self._layers = (layers, (Hq, D), _layer_calls(self, layers, Hq, D))
+        if self._layers[2] is None:
+            return None
+        if sm_scale != self._scale[0]:
+            self._scale = (sm_scale, np.float32(sm_scale))
+        return DirectLayers(step, as_index(blk, np.int64), as_index(off, np.int64),
+                            self._layers[2], self._scale[1], count_saturated)
 
     def _call(self, k: PoolLayer, v: PoolLayer, Hq: int, D: int) -> tuple | None:
         """(serial, parallel, K arrays, V arrays, H, BS) for a pair of pools (kept while they
@@ -212,6 +238,48 @@ class CpuKernels:
             o[~chunk], lse[~chunk] = self.attend(q[~chunk], q_seq[~chunk], q_pos[~chunk], k, v,
                                                  table, ctx_lens, sm_scale, num_splits)
         return o, lse
+
+
+class DirectLayers:
+    """One decode step's store and attention, a layer at a time, in numpy (CpuKernels.direct)."""
+
+    def __init__(self, step: _Step, blk: np.ndarray, off: np.ndarray, layers: list[tuple],
+                 sm_scale: np.float32, count_saturated: Callable[[int], None]):
+        self.step, self.blk, self.off, self.layers = step, blk, off, layers
+        self.sm_scale, self.count_saturated = sm_scale, count_saturated
+
+    def __call__(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+        """Store k, v (N, H, D) float32 of `layer`, then attend q (N, Hq, D) -> o (N, Hq, D):
+        CpuKernels.store twice and CpuKernels.attend on one thread, without the conversions."""
+        k_store, v_store, serial, k_arrays, v_arrays, H, BS = self.layers[layer]
+        n_sat = store_kernel(k, self.blk, self.off, k_store)
+        n_sat += store_kernel(v, self.blk, self.off, v_store)
+        if n_sat:
+            self.count_saturated(n_sat)
+        step = self.step
+        N, Hq, D = q.shape
+        o = np.empty((1, N, Hq, D), np.float32)
+        lse = np.empty((1, N, Hq), np.float32)
+        serial(0, N * H, np.ascontiguousarray(q), step.q_seq, step.q_pos, step.table,
+               step.ctx_lens, k_arrays, v_arrays, H, BS, self.sm_scale, o, lse)
+        return o[0]
+
+
+def _layer_calls(kernels: CpuKernels, layers: list[tuple[PoolLayer, PoolLayer]], Hq: int,
+                 D: int) -> list[tuple] | None:
+    """Per layer: (K store args, V store args, serial attention kernel, K arrays, V arrays, H,
+    BS); None if a pool's store or attention is not done in place."""
+    calls = []
+    for k, v in layers:
+        if k.p.block_wise or v.p.block_wise:  # their scales are made when a block fills
+            return None
+        call = kernels._call(k, v, Hq, D)
+        if call is None:
+            return None
+        serial, _, k_arrays, v_arrays, H, BS = call
+        stores = [store_args(pool.p, pool.data, pool.scale, pool.zero) for pool in (k, v)]
+        calls.append((*stores, serial, k_arrays, v_arrays, H, BS))
+    return calls
 
 
 def _follow_torch_threads(wanted: int) -> int:

@@ -1,0 +1,124 @@
+"""A CPU decode step's layers with numpy between the compiled calls (gemv_layer.layers_cpu, the
+plan's `direct` store and attention: kernels.cpu.DirectLayers) against the same steps layer by
+layer through torch tensors (model.run_layers, Plan.attend): the same kernels on the same arrays,
+so the same logits bit for bit; and the steps and caches that must go layer by layer."""
+
+import pytest
+import torch
+
+from tinykv import gemv, gemv_layer
+from tinykv.cache import make_cache
+from tinykv.kernels import cpu
+from tinykv.model import (
+    Config,
+    Transformer,
+    apply_rope,
+    finish_layer,
+    fused_linear,
+    project_qkv,
+    run_layers,
+)
+from tinykv.spec import KVSpec
+
+pytestmark = pytest.mark.skipif(not gemv.AVAILABLE, reason="numba is not installed")
+
+# stored in place by the direct calls (per-token scales or none; K and V apart; the plain kernel
+# for fp8 and int2:g16, the vector kernel for the rest)
+DIRECT = ["fp16", "int8", "int4", "k=int4:g32:asym,v=int2:g16", "fp8:token", "k=int8,v=fp16"]
+# each needs more than a store and an attention call a layer: hot blocks (scales made when a
+# block fills, a window), transforms, eviction's scores
+LAYER_BY_LAYER = ["k=int4:channel:asym,v=int4:g32:asym,residual=16", "int4,residual=8,sink=4",
+                  "fp8", "int4:rot", "int8,evict=h2o:96"]
+
+
+def model(seed: int = 0) -> Transformer:
+    """A random 2-layer Llama-family model with GQA (4 query heads over 2 KV heads of 32)."""
+    torch.manual_seed(seed)
+    cfg = Config(vocab_size=128, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96,
+                 max_seq_len=256, qkv_bias=True)
+    m = Transformer(cfg).eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.dim() == 1:
+                p.add_(0.3 * torch.randn_like(p))
+    m.use_kernels(**gemv_layer.select_kernels("cpu", fused_linear, apply_rope, project_qkv,
+                                              finish_layer, run_layers))
+    return m
+
+
+def decode(m: Transformer, spec: str, layers, steps: int = 6) -> tuple[list, int]:
+    """Two sequences: a prompt each in chunks of 20 and 13 tokens, then `steps` decode steps of
+    both together, through `layers` as the model's layer function; (logits of every step, values
+    the cache counted as clipped)."""
+    m.layers_fn = layers
+    cache = make_cache(m.cfg, KVSpec.parse(spec), blocks=64, block_size=16, max_seqs=2)
+    gen = torch.Generator().manual_seed(1)
+    prompts = {0: torch.randint(0, 128, (20,), generator=gen).tolist(),
+               1: torch.randint(0, 128, (13,), generator=gen).tolist()}
+    feeds = [[prompts[0], prompts[1]]]
+    feeds += [[[int(t)] for t in torch.randint(0, 128, (2,), generator=gen)]
+              for _ in range(steps)]
+    for s in prompts:
+        cache.add_sequence(s)
+    logits = []
+    for feed in feeds:
+        plan = cache.plan([0, 1], feed, logits="all")
+        logits.append(m(torch.tensor(sum(feed, [])), plan))
+        cache.commit(plan)
+    return logits, cache.saturated
+
+
+def counted(monkeypatch) -> list[int]:
+    """Layers DirectLayers serves, one entry per call."""
+    calls, real = [], cpu.DirectLayers.__call__
+    monkeypatch.setattr(cpu.DirectLayers, "__call__",
+                        lambda self, layer, *a: calls.append(layer) or real(self, layer, *a))
+    return calls
+
+
+@pytest.fixture
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("spec", DIRECT)
+def test_direct_layers_give_the_layer_by_layer_logits(spec, one_thread, monkeypatch):
+    m = model()
+    want, want_clipped = decode(m, spec, run_layers)
+    calls = counted(monkeypatch)
+    got, clipped = decode(m, spec, gemv_layer.select_kernels(
+        "cpu", fused_linear, apply_rope, project_qkv, finish_layer, run_layers)["layers"])
+    assert calls == [0, 1] * 6  # every decode step, not the prompts' chunks
+    assert clipped == want_clipped
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+
+
+@pytest.mark.parametrize("spec", LAYER_BY_LAYER)
+def test_caches_that_need_more_go_layer_by_layer(spec, one_thread, monkeypatch):
+    m = model()
+    calls = counted(monkeypatch)
+    got, _ = decode(m, spec, gemv_layer.select_kernels(
+        "cpu", fused_linear, apply_rope, project_qkv, finish_layer, run_layers)["layers"])
+    assert calls == []
+    want, _ = decode(m, spec, run_layers)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+
+
+def test_two_threads_go_layer_by_layer(monkeypatch):
+    """The direct calls run on one thread: with more, the per-layer path and its parallel
+    kernels."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        calls = counted(monkeypatch)
+        decode(model(), "int8", gemv_layer.select_kernels(
+            "cpu", fused_linear, apply_rope, project_qkv, finish_layer, run_layers)["layers"],
+            steps=2)
+    finally:
+        torch.set_num_threads(before)
+    assert calls == []
