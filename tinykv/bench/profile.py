@@ -68,6 +68,26 @@ def time_linear(stack: ExitStack, model: Transformer, acc: Counter, key: str = "
         stack.enter_context(timing(block, "finish", acc, key))
 
 
+def time_parts(stack: ExitStack, model: Transformer, acc: Counter,
+               keys: tuple[str, str, str] = ("linear", "cache.write", "cache.attend")) -> None:
+    """Timers (in `stack`) on a step's linear layers, its K/V stores and its attention, into
+    acc[keys[i]]: through the per-layer path (time_linear, KVPools.write, PagedKVCache.attend)
+    and through the direct one (gemv_layer's compiled calls, DirectLayers' store and attend)."""
+    from .. import gemv_layer
+
+    linear, store, attend = keys
+    time_linear(stack, model, acc, linear)
+    if gemv_layer.AVAILABLE:
+        from ..kernels.cpu import DirectLayers
+
+        for name in ("_project_serial", "_finish_serial"):
+            stack.enter_context(timing(gemv_layer, name, acc, linear))
+        stack.enter_context(timing(DirectLayers, "store", acc, store))
+        stack.enter_context(timing(DirectLayers, "attend", acc, attend))
+    stack.enter_context(timing(KVPools, "write", acc, store))
+    stack.enter_context(timing(PagedKVCache, "attend", acc, attend))
+
+
 def profile_tinykv(model: Transformer, prompt: list[int], kv: str, n_new: int) -> dict:
     """ms per decoded token, in all and per part, over n_new decode steps after the prompt."""
     weight = next(model.parameters())
@@ -79,9 +99,7 @@ def profile_tinykv(model: Transformer, prompt: list[int], kv: str, n_new: int) -
         eng.step()
     acc: Counter = Counter()
     with ExitStack() as stack:
-        time_linear(stack, model, acc)
-        stack.enter_context(timing(KVPools, "write", acc, "cache.write"))
-        stack.enter_context(timing(PagedKVCache, "attend", acc, "cache.attend"))
+        time_parts(stack, model, acc)
         t0, steps = time.perf_counter(), 0
         while eng.running:
             eng.step()

@@ -35,7 +35,6 @@ from .. import gemv
 from ..cache import PagedKVCache, make_cache
 from ..model import Config, Transformer
 from ..outputs import write_text
-from ..pools import KVPools
 from ..spec import KVSpec
 from . import attention
 from .charts import roofline_charts
@@ -218,13 +217,11 @@ def decode_tinykv(model: Transformer, specs: list[str], batch: int, context: int
 def _time_parts(model: Transformer, step: Callable[[], None], steps: int) -> dict:
     """ms per step of the linear layers, attention, the store and the rest, over `steps` more
     steps with timers on (bench profile's)."""
-    from .profile import time_linear, timing
+    from .profile import time_parts
 
     acc: Counter = Counter()
     with ExitStack() as stack:
-        time_linear(stack, model, acc)
-        stack.enter_context(timing(PagedKVCache, "attend", acc, "attention"))
-        stack.enter_context(timing(KVPools, "write", acc, "store"))
+        time_parts(stack, model, acc, ("linear", "store", "attention"))
         t0 = time.perf_counter()
         for _ in range(steps):
             step()

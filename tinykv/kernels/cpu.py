@@ -249,20 +249,28 @@ class DirectLayers:
         self.sm_scale, self.count_saturated = sm_scale, count_saturated
 
     def __call__(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
-        """Store k, v (N, H, D) float32 of `layer`, then attend q (N, Hq, D) -> o (N, Hq, D):
-        CpuKernels.store twice and CpuKernels.attend on one thread, without the conversions."""
-        k_store, v_store, serial, k_arrays, v_arrays, H, BS = self.layers[layer]
+        """Store k, v (N, H, D) float32 of `layer`, then attend q (N, Hq, D) -> o (N, Hq, D)."""
+        self.store(layer, k, v)
+        return self.attend(layer, q)
+
+    def store(self, layer: int, k: np.ndarray, v: np.ndarray) -> None:
+        """CpuKernels.store of k, then of v (N, H, D), without the conversions."""
+        k_store, v_store = self.layers[layer][:2]
         n_sat = store_kernel(k, self.blk, self.off, k_store)
         n_sat += store_kernel(v, self.blk, self.off, v_store)
         if n_sat:
             self.count_saturated(n_sat)
+
+    def attend(self, layer: int, q: np.ndarray) -> np.ndarray:
+        """CpuKernels.attend of q (N, Hq, D) on one thread, without the conversions."""
+        serial, k_arrays, v_arrays, H, BS = self.layers[layer][2:]
         step = self.step
         N, Hq, D = q.shape
         o = np.empty((1, N, Hq, D), np.float32)
         lse = np.empty((1, N, Hq), np.float32)
         serial(0, N * H, np.ascontiguousarray(q), step.q_seq, step.q_pos, step.table,
                step.ctx_lens, k_arrays, v_arrays, H, BS, self.sm_scale, o, lse)
-        return o[0]
+        return o[0]  # (N, Hq, D)
 
 
 def _layer_calls(kernels: CpuKernels, layers: list[tuple[PoolLayer, PoolLayer]], Hq: int,
