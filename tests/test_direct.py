@@ -9,15 +9,7 @@ import torch
 from tinykv import gemv, gemv_layer
 from tinykv.cache import make_cache
 from tinykv.kernels import cpu
-from tinykv.model import (
-    Config,
-    Transformer,
-    apply_rope,
-    finish_layer,
-    fused_linear,
-    project_qkv,
-    run_layers,
-)
+from tinykv.model import REFERENCES, Config, Transformer, run_layers
 from tinykv.spec import KVSpec
 
 pytestmark = pytest.mark.skipif(not gemv.AVAILABLE, reason="numba is not installed")
@@ -41,8 +33,7 @@ def model(seed: int = 0) -> Transformer:
         for p in m.parameters():
             if p.dim() == 1:
                 p.add_(0.3 * torch.randn_like(p))
-    m.use_kernels(**gemv_layer.select_kernels("cpu", fused_linear, apply_rope, project_qkv,
-                                              finish_layer, run_layers))
+    m.use_kernels(**gemv_layer.select_kernels("cpu", REFERENCES))
     return m
 
 
@@ -89,8 +80,7 @@ def test_direct_layers_give_the_layer_by_layer_logits(spec, one_thread, monkeypa
     m = model()
     want, want_clipped = decode(m, spec, run_layers)
     calls = counted(monkeypatch)
-    got, clipped = decode(m, spec, gemv_layer.select_kernels(
-        "cpu", fused_linear, apply_rope, project_qkv, finish_layer, run_layers)["layers"])
+    got, clipped = decode(m, spec, gemv_layer.select_kernels("cpu", REFERENCES)["layers"])
     assert calls == [0, 1] * 6  # every decode step, not the prompts' chunks
     assert clipped == want_clipped
     for g, w in zip(got, want):
@@ -101,8 +91,7 @@ def test_direct_layers_give_the_layer_by_layer_logits(spec, one_thread, monkeypa
 def test_caches_that_need_more_go_layer_by_layer(spec, one_thread, monkeypatch):
     m = model()
     calls = counted(monkeypatch)
-    got, _ = decode(m, spec, gemv_layer.select_kernels(
-        "cpu", fused_linear, apply_rope, project_qkv, finish_layer, run_layers)["layers"])
+    got, _ = decode(m, spec, gemv_layer.select_kernels("cpu", REFERENCES)["layers"])
     assert calls == []
     want, _ = decode(m, spec, run_layers)
     for g, w in zip(got, want):
@@ -116,8 +105,7 @@ def test_two_threads_go_layer_by_layer(monkeypatch):
     torch.set_num_threads(2)
     try:
         calls = counted(monkeypatch)
-        decode(model(), "int8", gemv_layer.select_kernels(
-            "cpu", fused_linear, apply_rope, project_qkv, finish_layer, run_layers)["layers"],
+        decode(model(), "int8", gemv_layer.select_kernels("cpu", REFERENCES)["layers"],
             steps=2)
     finally:
         torch.set_num_threads(before)

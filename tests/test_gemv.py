@@ -11,14 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from tinykv import gemv, gemv_layer
-from tinykv.model import (
-    Transformer,
-    apply_rope,
-    finish_layer,
-    fused_linear,
-    project_qkv,
-    run_layers,
-)
+from tinykv.model import REFERENCES, Transformer, apply_rope, fused_linear
 
 pytestmark = pytest.mark.skipif(not gemv.AVAILABLE, reason="numba is not installed")
 U32 = 2.0**-24
@@ -129,8 +122,7 @@ def test_the_model_decodes_through_the_gemv(small_model, monkeypatch):
     tokens = torch.tensor([[5, 6, 7]])
     small_model.use_kernels()
     want = small_model(tokens)
-    small_model.use_kernels(**gemv_layer.select_kernels("cpu", fused_linear, apply_rope,
-                                                        project_qkv, finish_layer, run_layers))
+    small_model.use_kernels(**gemv_layer.select_kernels("cpu", REFERENCES))
     try:
         got = small_model(tokens)
     finally:

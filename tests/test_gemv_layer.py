@@ -11,15 +11,7 @@ import pytest
 import torch
 
 from tinykv import gemv, gemv_layer
-from tinykv.model import (
-    Config,
-    Transformer,
-    apply_rope,
-    finish_layer,
-    fused_linear,
-    project_qkv,
-    run_layers,
-)
+from tinykv.model import REFERENCES, Config, Transformer, apply_rope
 
 pytestmark = pytest.mark.skipif(not gemv.AVAILABLE, reason="numba is not installed")
 U = 2.0**-24
@@ -45,8 +37,7 @@ def layer(bias: bool, dtype=torch.float32, seed=0) -> Transformer:
 
 
 def kernels() -> dict:
-    return gemv_layer.select_kernels("cpu", fused_linear, apply_rope, project_qkv, finish_layer,
-                                     run_layers)
+    return gemv_layer.select_kernels("cpu", REFERENCES)
 
 
 def exact_norm(h: torch.Tensor, norm) -> tuple[torch.Tensor, torch.Tensor]:

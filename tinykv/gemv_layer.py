@@ -283,17 +283,15 @@ def rope_cpu(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
     return torch.from_numpy(out)
 
 
-def select_kernels(device: torch.device | str, linear: Callable, rope: Callable,
-                   project: Callable, finish: Callable, layers: Callable) -> dict:
-    """The model's kernels for `device`, chosen once, when it loads: on the CPU with numba the
-    kernels of gemv.py and of this module, each falling back to the reference it is given (`linear`:
-    model.fused_linear, `rope`: model.apply_rope, `project`: model.project_qkv, `finish`:
-    model.finish_layer, `layers`: model.run_layers); elsewhere the references."""
-    if torch.device(device).type == "cpu" and AVAILABLE:
-        return {"product": partial(gemv.linear_cpu, reference=linear),
-                "rope": partial(rope_cpu, reference=rope),
-                "project": partial(project_cpu, cache={}, reference=project),
-                "finish": partial(finish_cpu, cache={}, reference=finish),
-                "layers": partial(layers_cpu, cache={}, reference=layers)}
-    return {"product": linear, "rope": rope, "project": project, "finish": finish,
-            "layers": layers}
+def select_kernels(device: torch.device | str, references: dict[str, Callable]) -> dict:
+    """The model's functions for `device` (use_kernels' arguments), chosen once, when it loads:
+    on the CPU with numba the kernels of gemv.py and of this module, each falling back to its
+    reference (model.REFERENCES: product fused_linear, rope apply_rope, project project_qkv,
+    finish finish_layer, layers run_layers); elsewhere the references."""
+    if not (torch.device(device).type == "cpu" and AVAILABLE):
+        return dict(references)
+    return {"product": partial(gemv.linear_cpu, reference=references["product"]),
+            "rope": partial(rope_cpu, reference=references["rope"]),
+            "project": partial(project_cpu, cache={}, reference=references["project"]),
+            "finish": partial(finish_cpu, cache={}, reference=references["finish"]),
+            "layers": partial(layers_cpu, cache={}, reference=references["layers"])}

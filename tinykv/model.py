@@ -198,6 +198,11 @@ def finish_layer(block: Block, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor
     return block.mlp(h, block.norm2)
 
 
+# The functions a model runs through unless use_kernels is given others (gemv_layer.py's)
+REFERENCES = {"product": fused_linear, "rope": apply_rope, "project": project_qkv,
+              "finish": finish_layer, "layers": run_layers}
+
+
 class Attention(nn.Module):
     """Fused q/k/v projection and RoPE (`project`, chosen at load), attention (through the plan's
     cache, or plain causal); the output projection is in Block's `finish`."""
@@ -355,6 +360,5 @@ class Transformer(nn.Module):
             model.rope_cos, model.rope_sin = rope_tables(cfg)
         model = model.to(device=device, dtype=dtype).eval()
         from .gemv_layer import select_kernels  # numba loads with a model, not here
-        model.use_kernels(**select_kernels(device, fused_linear, apply_rope, project_qkv,
-                                           finish_layer, run_layers))  # chosen once
+        model.use_kernels(**select_kernels(device, REFERENCES))  # chosen once
         return model
