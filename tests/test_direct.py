@@ -1,14 +1,14 @@
 """A CPU decode step's layers with numpy between the compiled calls (gemv_layer.layers_cpu, the
-plan's `direct` store and attention: kernels.cpu.DirectLayers) against the same steps layer by
-layer through torch tensors (model.run_layers, Plan.attend): the same kernels on the same arrays,
-so the same logits bit for bit; and the steps and caches that must go layer by layer."""
+plan's `direct` store and attention: kernels.cpu_direct) against the same steps layer by layer
+through torch tensors (model.run_layers, Plan.attend): the same kernels on the same arrays, so the
+same logits bit for bit; and the steps and caches that must go layer by layer."""
 
 import pytest
 import torch
 
 from tinykv import gemv, gemv_layer
 from tinykv.cache import make_cache
-from tinykv.kernels import cpu
+from tinykv.kernels import cpu_direct
 from tinykv.model import REFERENCES, Config, Transformer, run_layers
 from tinykv.spec import KVSpec
 
@@ -61,8 +61,8 @@ def decode(m: Transformer, spec: str, layers, steps: int = 6) -> tuple[list, int
 
 def counted(monkeypatch) -> list[int]:
     """Layers DirectLayers serves, one entry per call."""
-    calls, real = [], cpu.DirectLayers.__call__
-    monkeypatch.setattr(cpu.DirectLayers, "__call__",
+    calls, real = [], cpu_direct.DirectLayers.__call__
+    monkeypatch.setattr(cpu_direct.DirectLayers, "__call__",
                         lambda self, layer, *a: calls.append(layer) or real(self, layer, *a))
     return calls
 

@@ -221,7 +221,7 @@ def layers_cpu(model, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tens
                plan, *, cache: dict, reference: Callable) -> torch.Tensor:
     """model.run_layers' contract for a decode step on one thread, with numpy between the
     compiled calls: each layer's project, the cache's store and attention (the plan's `direct`
-    calls: kernels.cpu.DirectLayers), finish; the same kernels on the same arrays as the
+    calls: kernels.cpu_direct), finish; the same kernels on the same arrays as the
     per-layer path, with no torch op between them. `reference` for anything else: other caches
     or steps (Plan.direct is None), several threads, rows or layers the fused calls do not take."""
     cfg = model.cfg

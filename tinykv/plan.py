@@ -50,7 +50,7 @@ class Plan:
 
     def direct(self) -> Callable | None:
         """`attend` in numpy, `(layer, q, k, v) -> o`, as the kernels' direct calls
-        (kernels.cpu.DirectLayers) where the step asks nothing else of the cache: every token
+        (kernels.cpu_direct) where the step asks nothing else of the cache: every token
         written to the store pool, no hot blocks, offloaded chunks, eviction scores or
         transforms; None otherwise (then `attend`)."""
         cache = self.cache

@@ -78,7 +78,7 @@ def time_parts(stack: ExitStack, model: Transformer, acc: Counter,
     linear, store, attend = keys
     time_linear(stack, model, acc, linear)
     if gemv_layer.AVAILABLE:
-        from ..kernels.cpu import DirectLayers
+        from ..kernels.cpu_direct import DirectLayers
 
         for name in ("_project_serial", "_finish_serial"):
             stack.enter_context(timing(gemv_layer, name, acc, linear))

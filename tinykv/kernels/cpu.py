@@ -27,9 +27,10 @@ import torch
 
 from ..spec import QuantParams
 from .cpu_args import PoolArrays, as_index, pool_arrays, readable
+from .cpu_direct import DirectLayers, layer_calls
 from .cpu_numerics import AVAILABLE, REASON, njit, numba
 from .cpu_plain import attention_kernel
-from .cpu_store import quantize_store_cpu, store_args, store_kernel, store_rows  # noqa: F401
+from .cpu_store import quantize_store_cpu, store_args, store_rows  # noqa: F401 (the store)
 from .cpu_vector import HEAD_BY_HEAD, takes, vector_kernel
 from .layout import PoolLayer
 from .reference import Partial, paged_attention_ref
@@ -147,7 +148,8 @@ class CpuKernels:
         if step.chunked or q_seq.dim() != 1 or self._threads() != 1:
             return None
         if self._layers is None or self._layers[0] is not layers or self._layers[1] != (Hq, D):
-            self._layers = (layers, (Hq, D), _layer_calls(self, layers, Hq, D))
+            calls = layer_calls(layers, lambda k, v: self._call(k, v, Hq, D))
+            self._layers = (layers, (Hq, D), calls)
         if self._layers[2] is None:
             return None
         if sm_scale != self._scale[0]:
@@ -238,56 +240,6 @@ class CpuKernels:
             o[~chunk], lse[~chunk] = self.attend(q[~chunk], q_seq[~chunk], q_pos[~chunk], k, v,
                                                  table, ctx_lens, sm_scale, num_splits)
         return o, lse
-
-
-class DirectLayers:
-    """One decode step's store and attention, a layer at a time, in numpy (CpuKernels.direct)."""
-
-    def __init__(self, step: _Step, blk: np.ndarray, off: np.ndarray, layers: list[tuple],
-                 sm_scale: np.float32, count_saturated: Callable[[int], None]):
-        self.step, self.blk, self.off, self.layers = step, blk, off, layers
-        self.sm_scale, self.count_saturated = sm_scale, count_saturated
-
-    def __call__(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
-        """Store k, v (N, H, D) float32 of `layer`, then attend q (N, Hq, D) -> o (N, Hq, D)."""
-        self.store(layer, k, v)
-        return self.attend(layer, q)
-
-    def store(self, layer: int, k: np.ndarray, v: np.ndarray) -> None:
-        """CpuKernels.store of k, then of v (N, H, D), without the conversions."""
-        k_store, v_store = self.layers[layer][:2]
-        n_sat = store_kernel(k, self.blk, self.off, k_store)
-        n_sat += store_kernel(v, self.blk, self.off, v_store)
-        if n_sat:
-            self.count_saturated(n_sat)
-
-    def attend(self, layer: int, q: np.ndarray) -> np.ndarray:
-        """CpuKernels.attend of q (N, Hq, D) on one thread, without the conversions."""
-        serial, k_arrays, v_arrays, H, BS = self.layers[layer][2:]
-        step = self.step
-        N, Hq, D = q.shape
-        o = np.empty((1, N, Hq, D), np.float32)
-        lse = np.empty((1, N, Hq), np.float32)
-        serial(0, N * H, np.ascontiguousarray(q), step.q_seq, step.q_pos, step.table,
-               step.ctx_lens, k_arrays, v_arrays, H, BS, self.sm_scale, o, lse)
-        return o[0]  # (N, Hq, D)
-
-
-def _layer_calls(kernels: CpuKernels, layers: list[tuple[PoolLayer, PoolLayer]], Hq: int,
-                 D: int) -> list[tuple] | None:
-    """Per layer: (K store args, V store args, serial attention kernel, K arrays, V arrays, H,
-    BS); None if a pool's store or attention is not done in place."""
-    calls = []
-    for k, v in layers:
-        if k.p.block_wise or v.p.block_wise:  # their scales are made when a block fills
-            return None
-        call = kernels._call(k, v, Hq, D)
-        if call is None:
-            return None
-        serial, _, k_arrays, v_arrays, H, BS = call
-        stores = [store_args(pool.p, pool.data, pool.scale, pool.zero) for pool in (k, v)]
-        calls.append((*stores, serial, k_arrays, v_arrays, H, BS))
-    return calls
 
 
 def _follow_torch_threads(wanted: int) -> int:
