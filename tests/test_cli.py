@@ -699,8 +699,9 @@ def test_bench_cpu_kernel_prints_its_ceilings_and_fixed_costs(tmp_path: Path) ->
     assert all(row["touch_ms"] > 0 and row["ms"] > 0 for row in results["rows"])
     fixed = results["fixed_us"]["int8"]
     assert all(fixed[k] > 0 for k in ("attend_us", "dispatch_us", "store_us", "attend_cold_us",
-                                      "store_cold_us"))
-    assert "cold: attend" in r.stdout
+                                      "store_cold_us", "direct_attend_us", "direct_store_us",
+                                      "direct_attend_cold_us", "direct_store_cold_us"))
+    assert "cold: attend" in r.stdout and "direct: attend" in r.stdout
 
 
 @pytest.mark.skipif(not NO_GPU, reason="with a GPU, --attention triton runs compiled")

@@ -236,13 +236,16 @@ def layers_cpu(model, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tens
         return reference(model, x, cos, sin, plan)
     rows, Hq = x.shape[0], cfg.n_heads
     x_rows = x.numpy()  # (N, dim)
+    # one set of arrays for every layer (an np.empty between two layers' weight reads runs with
+    # cold caches); the layer's output alternates between two, as finish reads its input
+    qk = np.empty((rows, Hq + cfg.n_kv_heads, cfg.head_dim), np.float32)  # q|k heads
+    v = np.empty((rows, cfg.n_kv_heads, cfg.head_dim), np.float32)
+    outs = (np.empty_like(x_rows), np.empty_like(x_rows))  # (N, dim) each
     for layer, (((norm1, w_qkv, b_qkv), eps1, _), (finish, eps2, _)) in enumerate(layers):
         w_o, b_o, norm2, w_in, b_in, w_out, b_out = finish
-        qk = np.empty((rows, Hq + cfg.n_kv_heads, cfg.head_dim), np.float32)  # q|k heads
-        v = np.empty((rows, cfg.n_kv_heads, cfg.head_dim), np.float32)
         _project_serial(x_rows, norm1, eps1, w_qkv, b_qkv, tables[0], tables[1], qk, v)
         o = attend(layer, qk[:, :Hq], qk[:, Hq:], v)  # (N, Hq, hd)
-        out = np.empty_like(x_rows)  # (N, dim)
+        out = outs[layer % 2]
         _finish_serial(o.reshape(rows, -1), x_rows, w_o, b_o, norm2, eps2, w_in, b_in, w_out,
                        b_out, out)
         x_rows = out

@@ -266,12 +266,25 @@ def fixed_costs(spec: str, calls: int = 300, rounds: int = 5) -> dict:
            "attend_cold_us": _per_call_cold(attend)}
     side = kv.k if not kv.k.block_wise else kv.v
     pool = k if side is kv.k else v
+    x = torch.randn(1, H, D, generator=gen)  # (1, H, D): one new token
     if not side.block_wise:
-        x = torch.randn(1, H, D, generator=gen)  # (1, H, D): one new token
         def store() -> None:
             kernels.store(x, side, pool.data, pool.scale, pool.zero, zero, zero)
         out["store_us"] = _per_call(store, calls, rounds)
         out["store_cold_us"] = _per_call_cold(store)
+    # the same calls as a decode step makes them where it can (kernels.cpu_direct)
+    direct = kernels.direct(zero, zero, table, one, zero, zero, [(k, v)], H * R, D, D**-0.5,
+                            lambda n: None)
+    if direct is not None:
+        q_rows, x_rows = q.numpy(), x.numpy()
+        def direct_attend() -> None:
+            direct.attend(0, q_rows)
+        def direct_store() -> None:
+            direct.store(0, x_rows, x_rows)
+        out |= {"direct_attend_us": _per_call(direct_attend, calls, rounds),
+                "direct_attend_cold_us": _per_call_cold(direct_attend),
+                "direct_store_us": _per_call(direct_store, calls, rounds),
+                "direct_store_cold_us": _per_call_cold(direct_store)}
     return out
 
 
@@ -373,13 +386,19 @@ def _render_fixed(fixed: dict) -> list[str]:
     lines = ["", "Fixed cost per layer call (us, best loop): attention over 1 key (of it, the "
              "compiled kernel given no work), and the store of one token's K or V; then the "
              f"same right after {COLD_BYTES >> 20} MiB are read (median), as between a decode "
-             "step's layers:", ""]
+             "step's layers. Direct: the same as a decode step's direct layer path calls them "
+             "(attention; the store of K and V together):", ""]
     for spec, f in fixed.items():
         name = "KIVI-style" if spec.startswith(KIVI) else spec
-        store = f"{f['store_us']:.1f}" if "store_us" in f else "-"
-        cold = [f"{f[k]:.0f}" if k in f else "-" for k in ("attend_cold_us", "store_cold_us")]
+        us = {k: f"{f[k]:.1f}" if k in f else "-" for k in (
+            "store_us", "direct_attend_us", "direct_store_us")}
+        cold = {k: f"{f[k]:.0f}" if k in f else "-" for k in (
+            "attend_cold_us", "store_cold_us", "direct_attend_cold_us", "direct_store_cold_us")}
         lines.append(f"- `{name}`: attend {f['attend_us']:.1f} (kernel {f['dispatch_us']:.1f}), "
-                     f"store {store}; cold: attend {cold[0]}, store {cold[1]}")
+                     f"store {us['store_us']}; cold: attend {cold['attend_cold_us']}, "
+                     f"store {cold['store_cold_us']}; direct: attend {us['direct_attend_us']}, "
+                     f"store K+V {us['direct_store_us']}; cold: attend "
+                     f"{cold['direct_attend_cold_us']}, store K+V {cold['direct_store_cold_us']}")
     return lines if fixed else []
 
 

@@ -35,6 +35,9 @@ class DirectLayers:
         """step: the step's metadata as numpy (cpu._Step); blk, off (N,): every token's slot."""
         self.step, self.blk, self.off, self.layers = step, blk, off, layers
         self.sm_scale, self.count_saturated = sm_scale, count_saturated
+        # every layer's outputs in the same arrays, made on the first call: each np.empty a
+        # layer would make costs as much as the kernel's fixed cost (bench kernel --cpu)
+        self.out: tuple[np.ndarray, np.ndarray] | None = None  # o (1, N, Hq, D), lse (1, N, Hq)
 
     def __call__(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
         """Store k, v (N, H, D) float32 of `layer`, then attend q (N, Hq, D) -> o (N, Hq, D)."""
@@ -50,11 +53,13 @@ class DirectLayers:
             self.count_saturated(n_sat)
 
     def attend(self, layer: int, q: np.ndarray) -> np.ndarray:
-        """CpuKernels.attend of q (N, Hq, D) on one thread, without the conversions."""
+        """CpuKernels.attend of q (N, Hq, D) on one thread, without the conversions. The output
+        is overwritten by the next call: read it before attending another layer."""
         calls, step = self.layers[layer], self.step
         N, Hq, D = q.shape
-        o = np.empty((1, N, Hq, D), np.float32)
-        lse = np.empty((1, N, Hq), np.float32)
+        if self.out is None or self.out[0].shape != (1, N, Hq, D):
+            self.out = (np.empty((1, N, Hq, D), np.float32), np.empty((1, N, Hq), np.float32))
+        o, lse = self.out
         H = calls.kv_heads
         calls.attend(0, N * H, np.ascontiguousarray(q), step.q_seq, step.q_pos, step.table,
                      step.ctx_lens, calls.k_arrays, calls.v_arrays, H, calls.block_size,
