@@ -23,11 +23,13 @@ LAYER_BY_LAYER = ["k=int4:channel:asym,v=int4:g32:asym,residual=16", "int4,resid
                   "fp8", "int4:rot", "int8,evict=h2o:96"]
 
 
-def model(seed: int = 0) -> Transformer:
-    """A random 2-layer Llama-family model with GQA (4 query heads over 2 KV heads of 32)."""
+def model(seed: int = 0, n_heads: int = 4, n_kv_heads: int = 2, head_dim: int = 32,
+          qkv_bias: bool = True) -> Transformer:
+    """A random 2-layer Llama-family model, by default with GQA (4 query heads over 2 KV heads
+    of 32)."""
     torch.manual_seed(seed)
-    cfg = Config(vocab_size=128, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96,
-                 max_seq_len=256, qkv_bias=True)
+    cfg = Config(vocab_size=128, dim=n_heads * head_dim, n_layers=2, n_heads=n_heads,
+                 n_kv_heads=n_kv_heads, ffn_dim=96, max_seq_len=256, qkv_bias=qkv_bias)
     m = Transformer(cfg).eval()
     with torch.no_grad():
         for p in m.parameters():
@@ -37,23 +39,25 @@ def model(seed: int = 0) -> Transformer:
     return m
 
 
-def decode(m: Transformer, spec: str, layers, steps: int = 6) -> tuple[list, int]:
-    """Two sequences: a prompt each in chunks of 20 and 13 tokens, then `steps` decode steps of
-    both together, through `layers` as the model's layer function; (logits of every step, values
-    the cache counted as clipped)."""
+def decode(m: Transformer, spec: str, layers, steps: int = 6, seqs: int = 2
+           ) -> tuple[list, int]:
+    """Two sequences (or the first): a prompt each in chunks of 20 and 13 tokens, then `steps`
+    decode steps of both together, through `layers` as the model's layer function; (logits of
+    every step, values the cache counted as clipped)."""
     m.layers_fn = layers
     cache = make_cache(m.cfg, KVSpec.parse(spec), blocks=64, block_size=16, max_seqs=2)
     gen = torch.Generator().manual_seed(1)
     prompts = {0: torch.randint(0, 128, (20,), generator=gen).tolist(),
                1: torch.randint(0, 128, (13,), generator=gen).tolist()}
-    feeds = [[prompts[0], prompts[1]]]
-    feeds += [[[int(t)] for t in torch.randint(0, 128, (2,), generator=gen)]
+    prompts = {s: prompts[s] for s in range(seqs)}
+    feeds = [list(prompts.values())]
+    feeds += [[[int(t)] for t in torch.randint(0, 128, (seqs,), generator=gen)]
               for _ in range(steps)]
     for s in prompts:
         cache.add_sequence(s)
     logits = []
     for feed in feeds:
-        plan = cache.plan([0, 1], feed, logits="all")
+        plan = cache.plan(list(prompts), feed, logits="all")
         logits.append(m(torch.tensor(sum(feed, [])), plan))
         cache.commit(plan)
     return logits, cache.saturated
@@ -83,6 +87,26 @@ def test_direct_layers_give_the_layer_by_layer_logits(spec, one_thread, monkeypa
     got, clipped = decode(m, spec, gemv_layer.select_kernels("cpu", REFERENCES)["layers"])
     assert calls == [0, 1] * 6  # every decode step, not the prompts' chunks
     assert clipped == want_clipped
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+
+
+# (query heads, KV heads, head_dim): MHA, MQA, and GQA groups of 4 and 8, at the head sizes of
+# common checkpoints
+SHAPES = [(4, 4, 64, False), (8, 1, 80, True), (8, 2, 96, False), (16, 2, 128, True)]
+
+
+@pytest.mark.parametrize("spec", ["fp16", "int4", "k=int8,v=int2:g16"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}q{s[1]}kv{s[2]}")
+@pytest.mark.parametrize("seqs", [1, 2])
+def test_direct_layers_take_every_head_layout(spec, shape, seqs, one_thread, monkeypatch):
+    n_heads, n_kv_heads, head_dim, bias = shape
+    m = model(n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim, qkv_bias=bias)
+    want, _ = decode(m, spec, run_layers, steps=3, seqs=seqs)
+    calls = counted(monkeypatch)
+    got, _ = decode(m, spec, gemv_layer.select_kernels("cpu", REFERENCES)["layers"], steps=3,
+                    seqs=seqs)
+    assert calls == [0, 1] * 3
     for g, w in zip(got, want):
         assert torch.equal(g, w)
 
