@@ -238,9 +238,10 @@ def measure_shape(specs: list[str], batch: int, context: int, reps: int, budget:
 
 def fixed_costs(spec: str, calls: int = 300, rounds: int = 5) -> dict:
     """Microseconds per layer call that do not depend on the context (best of `rounds` loops of
-    `calls` calls): attention over one key at batch 1; of it, the compiled kernel alone handed
-    no work item (numba unboxing the arguments); the store of one token (quantize-and-store, a
-    side without block-wise scales)."""
+    `calls` calls, and cold: _per_call_cold): attention over one key at batch 1; of it, the
+    compiled kernel alone handed no work item (numba unboxing the arguments); the store of one
+    token (quantize-and-store, a side without block-wise scales); and the same two as a decode
+    step's direct layer path makes them (kernels.cpu_direct), where it takes the spec."""
     from ..kernels.cpu import CpuKernels
 
     H, R, D = SHAPE["kv_heads"], SHAPE["n_rep"], SHAPE["head_dim"]
@@ -248,44 +249,34 @@ def fixed_costs(spec: str, calls: int = 300, rounds: int = 5) -> dict:
     kv = KVSpec.parse(spec)
     k, v = make_pool(kv.k, 2, gen), make_pool(kv.v, 2, gen)
     q = torch.randn(1, H * R, D, generator=gen)  # (1, Hq, D)
+    x = torch.randn(1, H, D, generator=gen)  # (1, H, D): one new token
     zero, one = torch.zeros(1, dtype=torch.long), torch.ones(1, dtype=torch.int32)
     table = torch.zeros(1, 1, dtype=torch.int32)  # (1, 1): block 0
     kernels = CpuKernels()
-
-    def attend() -> None:
-        kernels.attend(q, zero, zero, k, v, table, one, D**-0.5)
-
-    attend()
+    out = _costs("attend", lambda: kernels.attend(q, zero, zero, k, v, table, one, D**-0.5),
+                 calls, rounds)
     serial, _, k_arrays, v_arrays, *_ = kernels._call(k, v, H * R, D)
     step = kernels._step(zero, zero, table, one)
     empty = (q.numpy(), step.q_seq, step.q_pos, step.table, step.ctx_lens, k_arrays, v_arrays,
              H, SHAPE["block_size"], np.float32(0.125), np.empty((1, 1, H * R, D), np.float32),
              np.empty((1, 1, H * R), np.float32))
-    out = {"attend_us": _per_call(attend, calls, rounds),
-           "dispatch_us": _per_call(lambda: serial(0, 0, *empty), calls, rounds),
-           "attend_cold_us": _per_call_cold(attend)}
-    side = kv.k if not kv.k.block_wise else kv.v
-    pool = k if side is kv.k else v
-    x = torch.randn(1, H, D, generator=gen)  # (1, H, D): one new token
+    out["dispatch_us"] = _per_call(lambda: serial(0, 0, *empty), calls, rounds)
+    side, pool = (kv.k, k) if not kv.k.block_wise else (kv.v, v)
     if not side.block_wise:
-        def store() -> None:
-            kernels.store(x, side, pool.data, pool.scale, pool.zero, zero, zero)
-        out["store_us"] = _per_call(store, calls, rounds)
-        out["store_cold_us"] = _per_call_cold(store)
-    # the same calls as a decode step makes them where it can (kernels.cpu_direct)
+        out |= _costs("store", lambda: kernels.store(x, side, pool.data, pool.scale, pool.zero,
+                                                     zero, zero), calls, rounds)
     direct = kernels.direct(zero, zero, table, one, zero, zero, [(k, v)], H * R, D, D**-0.5,
                             lambda n: None)
     if direct is not None:
         q_rows, x_rows = q.numpy(), x.numpy()
-        def direct_attend() -> None:
-            direct.attend(0, q_rows)
-        def direct_store() -> None:
-            direct.store(0, x_rows, x_rows)
-        out |= {"direct_attend_us": _per_call(direct_attend, calls, rounds),
-                "direct_attend_cold_us": _per_call_cold(direct_attend),
-                "direct_store_us": _per_call(direct_store, calls, rounds),
-                "direct_store_cold_us": _per_call_cold(direct_store)}
+        out |= _costs("direct_attend", lambda: direct.attend(0, q_rows), calls, rounds)
+        out |= _costs("direct_store", lambda: direct.store(0, x_rows, x_rows), calls, rounds)
     return out
+
+
+def _costs(name: str, fn, calls: int, rounds: int) -> dict:
+    """{name_us: in a loop, name_cold_us: right after COLD_BYTES are read} of one call."""
+    return {f"{name}_us": _per_call(fn, calls, rounds), f"{name}_cold_us": _per_call_cold(fn)}
 
 
 def _per_call(fn, calls: int, rounds: int) -> float:
