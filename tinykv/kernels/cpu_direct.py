@@ -35,8 +35,8 @@ class DirectLayers:
         """step: the step's metadata as numpy (cpu._Step); blk, off (N,): every token's slot."""
         self.step, self.blk, self.off, self.layers = step, blk, off, layers
         self.sm_scale, self.count_saturated = sm_scale, count_saturated
-        # every layer's outputs in the same arrays, made on the first call: each np.empty a
-        # layer would make costs as much as the kernel's fixed cost (bench kernel --cpu)
+        # every layer's outputs in the same arrays, made on the first call: an np.empty between
+        # two layers' weight reads would run with cold caches, as every op there does
         self.out: tuple[np.ndarray, np.ndarray] | None = None  # o (1, N, Hq, D), lse (1, N, Hq)
 
     def __call__(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
