@@ -67,6 +67,19 @@ def test_weight_bytes(tiny):
     assert rl.weight_bytes(tied) == total - head  # read once, as the head
 
 
+def test_linear_macs(tiny):
+    """A token's multiply-adds in the linear layers, from the config: q, k, v, o and the three MLP
+    matrices per layer, and the LM head (tied or not: the head reads the whole matrix)."""
+    d, model = tiny
+    c = model.cfg
+    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    layer = c.dim * (q + 2 * kv) + q * c.dim + 3 * c.dim * c.ffn_dim
+    assert rl.linear_macs(model) == c.n_layers * layer + c.vocab_size * c.dim
+    tied = Transformer.from_pretrained(d, device="cpu")
+    tied.lm_head.weight = tied.embed.weight
+    assert rl.linear_macs(tied) == rl.linear_macs(model)
+
+
 def test_json_and_bytes(results, tiny):
     res, out = results
     _, model = tiny
@@ -85,6 +98,7 @@ def test_json_and_bytes(results, tiny):
         probes = [v for k, v in bw.items() if k.endswith("_gb_s")]
         assert bw["bytes"] >= 16 * 2**20 and bw["gb_s"] == max(probes) and len(probes) >= 2
         assert math.isfinite(bw["gb_s"]) and bw["gb_s"] > 0
+        assert math.isfinite(run["fma_peak_gfma_s"]) and run["fma_peak_gfma_s"] > 0
         attn = run["attention"]
         assert [(r["kv"], r["context"]) for r in attn] == [(s, c) for s in specs
                                                            for c in TINY["contexts"]]
@@ -113,6 +127,10 @@ def test_json_and_bytes(results, tiny):
                 parts = r["parts_ms"]
                 assert set(parts) == {"linear", "attention", "store", "rest"}
                 assert all(parts[k] > 0 for k in ("linear", "attention", "store"))
+                rate = r["batch"] * rl.linear_macs(model) / parts["linear"] / 1e6  # GFMA/s
+                assert r["linear_gfma_s"] == pytest.approx(rate)
+                assert r["linear_pct_fma_peak"] == pytest.approx(
+                    100 * rate / run["fma_peak_gfma_s"])
             else:
                 assert "parts_ms" not in r
         engines = {(r["engine"], r["kv"]) for r in run["decode"]}
@@ -128,7 +146,8 @@ def test_render(results):
     md = rl.render(res)
     assert md.startswith("## Roofline")
     for text in ("Read bandwidth", "% bandwidth", "% roofline", "int4/fp16", "| 3x64",
-                 "linear / attention / store / rest ms"):
+                 "linear / attention / store / rest ms", "FMA peak",
+                 "linear GFMA/s (% FMA peak)"):
         assert text in md
     assert md.count("### ") == len(THREADS)
 

@@ -166,10 +166,21 @@ def weight_bytes(model: Transformer) -> int:
     return total
 
 
+def linear_macs(model: Transformer) -> int:
+    """Multiply-adds of a decode token's linear layers: one per element of every weight matrix
+    the step reads (weight_bytes' matrices: the LM head, not an untied embedding table)."""
+    tables = [t.weight for t in (model.embed, model.pos_embed)
+              if t is not None and t.weight is not model.lm_head.weight]
+    return sum(p.numel() for p in model.parameters()
+               if p.dim() == 2 and not any(p is t for t in tables))
+
+
 def _row(engine: str, kv: str, batch: int, context: int, measured: tuple, w_bytes: int,
-         bandwidth: float) -> dict:
+         bandwidth: float, linear: tuple = (0, 0.0)) -> dict:
     """A decode row from (step times, mean KV bytes, parts' ms per step or None): median step
-    time, tok/s, the roofline's, and the share of it reached."""
+    time, tok/s, the roofline's, and the share of it reached. linear: (multiply-adds a token,
+    the FMA peak of the threads in GFMA/s): the linear layers' rate beside that peak, which is
+    what bounds them once a batch reuses each weight enough (16x1024)."""
     times, kv_bytes, parts = measured
     t = statistics.median(times)
     roof = (w_bytes + kv_bytes) / (bandwidth * 1e9)  # seconds at the measured bandwidth
@@ -179,6 +190,10 @@ def _row(engine: str, kv: str, batch: int, context: int, measured: tuple, w_byte
            "pct_roofline": 100 * roof / t}
     if parts is not None:
         row["parts_ms"] = parts
+        macs, peak = linear
+        if macs and peak and parts["linear"] > 0:
+            row["linear_gfma_s"] = batch * macs / parts["linear"] / 1e6
+            row["linear_pct_fma_peak"] = 100 * row["linear_gfma_s"] / peak
     return row
 
 
@@ -324,13 +339,15 @@ def collect(model: Transformer, hf, mode: dict, specs: list[str], threads: list[
     hf_kinds = [] if hf is None else [("default", False)]  # (name, quantized) caches timed
     if hf_q:
         hf_kinds.append(("quanto-int4", True))
-    w_bytes = weight_bytes(model)
+    w_bytes, macs = weight_bytes(model), linear_macs(model)
     out = {"config": {**mode, "specs": specs, "threads": threads, "transformers": hf is not None,
                       "transformers_quantized": hf_q}, "weight_bytes": w_bytes, "runs": []}
     for n in threads:
         set_threads(n)
         bw = measure_bandwidth(mode["bw_mib"], mode["bw_reps"])
-        tick(f"{n} threads: bandwidth")
+        # one core's FMA loop (attention.fma_peak) times the threads: the cores are alike
+        fma = attention.fma_peak() * n if attention.AVAILABLE else 0.0
+        tick(f"{n} threads: bandwidth and FMA peak")
         kernel = kernel_table(specs, mode, n, tick)
         attn = []
         for spec in specs:
@@ -345,14 +362,15 @@ def collect(model: Transformer, hf, mode: dict, specs: list[str], threads: list[
             measured = decode_tinykv(model, specs, batch, ctx, mode["steps"])
             for spec in specs:
                 decode.append(_row("tinykv", spec, batch, ctx, measured[spec], w_bytes,
-                                   bw["gb_s"]))
+                                   bw["gb_s"], (macs, fma)))
             tick(f"{n} threads: decode {' '.join(specs)} {batch}x{ctx}, in turn")
             for kind, quantized in hf_kinds:
                 measured = decode_hf(hf, batch, ctx, mode["steps"], quantized)
                 decode.append(_row("transformers", kind, batch, ctx, measured, w_bytes,
                                    bw["gb_s"]))
                 tick(f"{n} threads: transformers {kind} {batch}x{ctx}")
-        out["runs"].append({"threads": n, "bandwidth": bw, "kernel": kernel, "attention": attn,
+        out["runs"].append({"threads": n, "bandwidth": bw, "fma_peak_gfma_s": fma,
+                            "kernel": kernel, "attention": attn,
                             "decode": decode, "ratios": ratios(decode)})
     return out
 
@@ -361,6 +379,13 @@ def _parts(row: dict) -> str:
     """A step's breakdown as 'linear / attention / store / rest' ms, '-' where not measured."""
     parts = row.get("parts_ms")
     return " / ".join(f"{parts[k]:.3g}" for k in PARTS) if parts else "-"
+
+
+def _linear_rate(row: dict) -> str:
+    """The linear layers' 'GFMA/s (% of the FMA peak)', '-' where not measured."""
+    if "linear_gfma_s" not in row:
+        return "-"
+    return f"{row['linear_gfma_s']:.3g} ({row['linear_pct_fma_peak']:.3g}%)"
 
 
 def render(results: dict) -> str:
@@ -373,7 +398,8 @@ def render(results: dict) -> str:
         out += [f"### {run['threads']} thread(s)", "",
                 f"Read bandwidth {bw['gb_s']:.1f} GB/s, the best of torch's GEMV "
                 f"{bw['gemv_gb_s']:.1f}, tinykv's {bw.get('tinykv_gemv_gb_s', 0):.1f} and a sum "
-                f"{bw['sum_gb_s']:.1f}, over {bw['bytes'] / 2**20:.0f} MiB.", ""]
+                f"{bw['sum_gb_s']:.1f}, over {bw['bytes'] / 2**20:.0f} MiB; FMA peak "
+                f"{run.get('fma_peak_gfma_s', 0):.0f} GFMA/s (float32, a loop per thread).", ""]
         if run.get("kernel"):
             out += ["One layer call of the CPU attention kernel beside the touch of its exact "
                     "layout (bench/attention.py).", "", attention.render(run["kernel"]), ""]
@@ -382,9 +408,10 @@ def render(results: dict) -> str:
         out += md_table(["KV spec", "context", "KV MB", "attend ms", "GB/s", "% bandwidth"], attn)
         dec = [[f"{r['engine']} `{r['kv']}`", f"{r['batch']}x{r['context']}",
                 f"{r['kv_bytes'] / 1e6:.3g}", f"{r['ms']:.3g}", f"{r['tok_s']:.3g}",
-                f"{r['pct_roofline']:.3g}%", _parts(r)] for r in run["decode"]]
+                f"{r['pct_roofline']:.3g}%", _parts(r), _linear_rate(r)] for r in run["decode"]]
         out += [""] + md_table(["engine / KV", "batch x ctx", "KV MB/step", "step ms", "tok/s",
-                                "% roofline", "linear / attention / store / rest ms"], dec)
+                                "% roofline", "linear / attention / store / rest ms",
+                                "linear GFMA/s (% FMA peak)"], dec)
         names = [name for name, _, _ in RATIOS]
         names += [k for k in dict.fromkeys(k for r in run["ratios"] for k in r)
                   if k not in names and k not in ("batch", "context")]
