@@ -134,3 +134,42 @@ def test_two_threads_go_layer_by_layer(monkeypatch):
     finally:
         torch.set_num_threads(before)
     assert calls == []
+
+
+def _sums(rows, out):
+    """out[n] = the sum of rows[n] (N, H, D), read element by element (the layout matters)."""
+    for n in range(rows.shape[0]):
+        total = 0.0
+        for h in range(rows.shape[1]):
+            for d in range(rows.shape[2]):
+                total += rows[n, h, d]
+        out[n] = total
+
+
+def test_resolved_keeps_a_version_per_layout():
+    """cpu_direct.Resolved calls the compiled version the dispatcher chose for the first call,
+    one per layout of the rows: a strided view after a contiguous array (one token's rows, then
+    several) must not be read as the contiguous one."""
+    import numba
+    import numpy as np
+
+    kernel = numba.njit(_sums)
+    resolved = cpu_direct.Resolved(kernel, 0)
+    base = np.arange(4 * 6 * 8, dtype=np.float32).reshape(4, 6, 8)  # (N, H, D)
+    views = [base, base[:, 1:4], np.asfortranarray(base), base[:1, :1], base[:, ::2, ::2]]
+    for rows in views + views:  # each layout first through the dispatcher, then straight
+        out = np.zeros(rows.shape[0], np.float32)
+        resolved(rows, out)
+        np.testing.assert_array_equal(out, rows.sum(axis=(1, 2)))
+    # flags C, Fortran, neither, both (base[:1, :1]: compiled as C): three compiled versions
+    assert len(resolved.entries) == 4
+    assert len({id(entry) for entry in resolved.entries.values()}) == 3
+    assert resolved.entries[True, True] is resolved.entries[True, False]
+    assert all(entry is not kernel for entry in resolved.entries.values())
+
+
+def test_direct_rows_must_be_float32():
+    with pytest.raises(TypeError, match="float32 rows"):
+        cpu_direct._float32_rows(torch.zeros(1, 2, 4, dtype=torch.float64).numpy())
+    with pytest.raises(TypeError, match="float32 rows"):
+        cpu_direct._float32_rows(torch.zeros(2, 4).numpy())

@@ -12,15 +12,45 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .cpu_store import StoreArgs, store_args, store_kernel
+from .cpu_store import StoreArgs, _store_kernel, store_args
 from .layout import PoolLayer
+
+
+class Resolved:
+    """A compiled kernel called with arguments of the same types every time: the first call goes
+    through numba's dispatcher, later ones straight to the compiled version it chose. The
+    dispatcher types every argument of every call (a dozen arrays and tuples here: 1-2 us of a
+    direct attention call's 4-6, bench kernel --cpu), and a direct layer's calls take the same
+    pools, step arrays and output arrays every step. Only the rows (argument `rows_at`, float32
+    of rank 3: _float32_rows) change between steps, and with them maybe their layout (a view of
+    one token is contiguous, of several may not be): a version is kept per layout."""
+
+    def __init__(self, dispatcher: Callable, rows_at: int):
+        self.dispatcher, self.rows_at = dispatcher, rows_at
+        self.entries: dict[tuple[bool, bool], Callable] = {}
+
+    def __call__(self, *args):
+        rows = args[self.rows_at]
+        layout = (rows.flags.c_contiguous, rows.flags.f_contiguous)
+        entry = self.entries.get(layout)
+        if entry is not None:
+            return entry(*args)
+        out = self.dispatcher(*args)
+        overloads = getattr(self.dispatcher, "overloads", None)
+        key = tuple(self.dispatcher.typeof_pyval(a) for a in args) if overloads else None
+        # no numba (plain functions), or arguments numba matched by conversion: keep dispatching
+        self.entries[layout] = overloads[key].entry_point if key in (overloads or {}) \
+            else self.dispatcher
+        return out
 
 
 class LayerCalls(NamedTuple):
     """One layer's store and attention as DirectLayers calls them, converted once per cache."""
     k_store: StoreArgs
     v_store: StoreArgs
-    attend: Callable  # the serial attention kernel of this pair of formats
+    attend: Resolved  # the serial attention kernel of this pair of formats
+    k_store_kernel: Resolved  # cpu_store's kernel, one per pool: the formats may differ by layer
+    v_store_kernel: Resolved
     k_arrays: tuple  # cpu_args.PoolArrays of K, then V
     v_arrays: tuple
     kv_heads: int
@@ -47,8 +77,12 @@ class DirectLayers:
     def store(self, layer: int, k: np.ndarray, v: np.ndarray) -> None:
         """CpuKernels.store of k, then of v (N, H, D), without the conversions."""
         calls = self.layers[layer]
-        n_sat = store_kernel(k, self.blk, self.off, calls.k_store)
-        n_sat += store_kernel(v, self.blk, self.off, calls.v_store)
+        n_sat = 0
+        for rows, args, kernel in ((k, calls.k_store, calls.k_store_kernel),
+                                   (v, calls.v_store, calls.v_store_kernel)):
+            _float32_rows(rows)
+            n_sat += kernel(rows, self.blk, self.off, args.fmt, args.arrays, args.block_size,
+                            args.limits, args.dynamic)
         if n_sat:
             self.count_saturated(n_sat)
 
@@ -61,6 +95,7 @@ class DirectLayers:
             self.out = (np.empty((1, N, Hq, D), np.float32), np.empty((1, N, Hq), np.float32))
         o, lse = self.out
         H = calls.kv_heads
+        _float32_rows(q)
         calls.attend(0, N * H, np.ascontiguousarray(q), step.q_seq, step.q_pos, step.table,
                      step.ctx_lens, calls.k_arrays, calls.v_arrays, H, calls.block_size,
                      self.sm_scale, o, lse)
@@ -81,5 +116,14 @@ def layer_calls(layers: list[tuple[PoolLayer, PoolLayer]],
             return None
         serial, _, k_arrays, v_arrays, H, BS = call
         stores = [store_args(pool.p, pool.data, pool.scale, pool.zero) for pool in (k, v)]
-        calls.append(LayerCalls(*stores, serial, k_arrays, v_arrays, H, BS))
+        store_k, store_v = Resolved(_store_kernel, 0), Resolved(_store_kernel, 0)
+        calls.append(LayerCalls(*stores, Resolved(serial, 2), store_k, store_v, k_arrays,
+                                v_arrays, H, BS))
     return calls
+
+
+def _float32_rows(rows: np.ndarray) -> None:
+    """What Resolved's callers promise: (N, heads, D) float32 rows, as the layers make them."""
+    if rows.dtype != np.float32 or rows.ndim != 3:
+        raise TypeError(f"the direct path takes (N, heads, D) float32 rows, got {rows.dtype} "
+                        f"of shape {rows.shape}")
