@@ -11,6 +11,7 @@ import pytest
 import torch
 from hf_tiny import make_hf_model
 
+from tinykv.bench import ceilings
 from tinykv.bench import roofline as rl
 from tinykv.bench.common import time_in_turn
 from tinykv.cache import make_cache
@@ -60,11 +61,11 @@ def test_weight_bytes(tiny):
     """Every parameter but the embedding, unless the LM head shares it."""
     d, model = tiny
     total = sum(p.nbytes for p in model.parameters())
-    assert rl.weight_bytes(model) == total - model.embed.weight.nbytes
+    assert ceilings.weight_bytes(model) == total - model.embed.weight.nbytes
     tied = Transformer.from_pretrained(d, device="cpu")
     tied.lm_head.weight = tied.embed.weight
     head = model.lm_head.weight.nbytes
-    assert rl.weight_bytes(tied) == total - head  # read once, as the head
+    assert ceilings.weight_bytes(tied) == total - head  # read once, as the head
 
 
 def test_linear_macs(tiny):
@@ -74,10 +75,10 @@ def test_linear_macs(tiny):
     c = model.cfg
     q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
     layer = c.dim * (q + 2 * kv) + q * c.dim + 3 * c.dim * c.ffn_dim
-    assert rl.linear_macs(model) == c.n_layers * layer + c.vocab_size * c.dim
+    assert ceilings.linear_macs(model) == c.n_layers * layer + c.vocab_size * c.dim
     tied = Transformer.from_pretrained(d, device="cpu")
     tied.lm_head.weight = tied.embed.weight
-    assert rl.linear_macs(tied) == rl.linear_macs(model)
+    assert ceilings.linear_macs(tied) == ceilings.linear_macs(model)
 
 
 def test_json_and_bytes(results, tiny):
@@ -127,7 +128,7 @@ def test_json_and_bytes(results, tiny):
                 parts = r["parts_ms"]
                 assert set(parts) == {"linear", "attention", "store", "rest"}
                 assert all(parts[k] > 0 for k in ("linear", "attention", "store"))
-                rate = r["batch"] * rl.linear_macs(model) / parts["linear"] / 1e6  # GFMA/s
+                rate = r["batch"] * ceilings.linear_macs(model) / parts["linear"] / 1e6  # GFMA/s
                 assert r["linear_gfma_s"] == pytest.approx(rate)
                 assert r["linear_pct_fma_peak"] == pytest.approx(
                     100 * rate / run["fma_peak_gfma_s"])

@@ -36,6 +36,7 @@ from ..kernels.layout import PoolLayer
 from ..outputs import write_text
 from ..quant import compute_scales, quantize
 from ..spec import KVSpec, QuantParams
+from .ceilings import set_threads
 
 SHAPE = dict(kv_heads=3, n_rep=3, head_dim=64, block_size=16)  # the default model's
 # Read before each "cold" call: about one decode layer's weights of the default model (14 MB),
@@ -302,14 +303,6 @@ def _per_call_cold(fn, calls: int = 30) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return 1e6 * statistics.median(times)
-
-
-def set_threads(n: int) -> None:
-    """numba's threads, then torch's (starting numba's OpenMP pool resets the count they share)."""
-    import numba
-
-    numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
-    torch.set_num_threads(n)
 
 
 def collect(specs: list[str], shapes: list[tuple[int, int]], threads: list[int], reps: int,

@@ -291,7 +291,7 @@ def collect(model: Transformer, weights: Path, ids: list[int], cfg: dict,
             tick: Tick) -> dict:
     """Every measurement of a run (cfg: contexts, specs, threads, rounds, new, ppl_tokens, window,
     chunk, ppl), llama.cpp's where llama-cpp-python is installed."""
-    from .roofline import measure_bandwidth, weight_bytes
+    from .ceilings import measure_bandwidth, weight_bytes
 
     have = llama_available()
     out = {"config": {**cfg, "llama_cpp": _version() if have else None,

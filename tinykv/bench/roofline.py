@@ -31,12 +31,12 @@ from pathlib import Path
 
 import torch
 
-from .. import gemv
 from ..cache import PagedKVCache, make_cache
 from ..model import Config, Transformer
 from ..outputs import write_text
 from ..spec import KVSpec
 from . import attention
+from .ceilings import linear_macs, measure_bandwidth, seconds, set_threads, weight_bytes
 from .charts import roofline_charts
 from .common import machine_info, md_table, time_in_turn
 from .e2e import DEFAULT_SPECS, HF_QUANT, KIVI
@@ -62,43 +62,6 @@ PARTS = ["linear", "attention", "store", "rest"]  # a decode step's breakdown
 def _progress(what: str) -> None:
     """The default Tick: one line on stderr per finished measurement (the tables go to stdout)."""
     print(f"[roofline] {what}", file=sys.stderr, flush=True)
-
-
-def set_threads(n: int) -> None:
-    """torch's threads, and numba's where it is installed (the fused CPU kernel runs on them).
-    numba's first: starting its OpenMP pool resets the OpenMP thread count torch shares."""
-    if importlib.util.find_spec("numba"):
-        import numba
-
-        numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
-    torch.set_num_threads(n)
-
-
-def _seconds(fn: Callable[[], object], reps: int) -> list[float]:
-    """Wall seconds of `reps` calls of fn after an untimed one (JIT, allocator, page faults)."""
-    fn()
-    out = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return out
-
-
-def measure_bandwidth(mib: int, reps: int) -> dict:
-    """Read bandwidth in GB/s (1e9 bytes): torch's GEMV, tinykv's and a sum over a float32 matrix
-    of `mib` MiB, best of `reps` each; `gb_s` is the highest (the closest to the memory's speed)."""
-    cols = 4096
-    a = torch.rand(mib * 2**20 // (4 * cols), cols)  # (R, C)
-    x = torch.rand(cols)  # (C,)
-    out = {"bytes": a.nbytes, "gemv_gb_s": a.nbytes / min(_seconds(partial(torch.mv, a, x),
-                                                                      reps)) / 1e9,
-           "sum_gb_s": a.nbytes / min(_seconds(a.sum, reps)) / 1e9}
-    if gemv.AVAILABLE:
-        product = partial(gemv.gemv, x[None], a)
-        out["tinykv_gemv_gb_s"] = a.nbytes / min(_seconds(product, reps)) / 1e9
-    out["gb_s"] = max(v for k, v in out.items() if k.endswith("gb_s"))
-    return out
 
 
 def synthetic_kv(n: int, heads: int, dim: int, gen: torch.Generator) -> tuple:
@@ -147,32 +110,13 @@ def bench_attention(cfg: Config, spec: str, context: int, reps: int, bandwidth: 
             for layer in range(cfg.n_layers):
                 cache.attend(layer, q, plan)
 
-        t = statistics.median(_seconds(step, reps))
+        t = statistics.median(seconds(step, reps))
         slots = cache.slots(0)
         kv_bytes = slots * cache.bytes_per_token
         return {"kv": spec, "context": context, "filled": filled, "slots": slots,
                 "bytes_per_token": cache.bytes_per_token, "kv_bytes": kv_bytes, "ms": 1e3 * t,
                 "gb_s": kv_bytes / t / 1e9, "pct_bandwidth": 100 * kv_bytes / t / 1e9 / bandwidth,
                 "attention": cache.kernels.name}
-
-
-def weight_bytes(model: Transformer) -> int:
-    """Parameter bytes a decode step reads: all of them, less the embedding tables (a step reads
-    only its tokens' rows) unless the LM head shares one, which then reads the whole matrix."""
-    total = sum(p.nbytes for p in model.parameters())  # a tied matrix is listed once
-    for table in (model.embed, model.pos_embed):
-        if table is not None and table.weight is not model.lm_head.weight:
-            total -= table.weight.nbytes
-    return total
-
-
-def linear_macs(model: Transformer) -> int:
-    """Multiply-adds of a decode token's linear layers: one per element of every weight matrix
-    the step reads (weight_bytes' matrices: the LM head, not an untied embedding table)."""
-    tables = [t.weight for t in (model.embed, model.pos_embed)
-              if t is not None and t.weight is not model.lm_head.weight]
-    return sum(p.numel() for p in model.parameters()
-               if p.dim() == 2 and not any(p is t for t in tables))
 
 
 def _row(engine: str, kv: str, batch: int, context: int, measured: tuple, w_bytes: int,

@@ -1,0 +1,74 @@
+"""What a decode step may cost at best, measured or counted: the machine's read bandwidth, the
+weights a step reads and the multiply-adds its linear layers make (bench roofline, bench peers);
+and the thread count the measurements run on."""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from collections.abc import Callable
+from functools import partial
+
+import torch
+
+from .. import gemv
+from ..model import Transformer
+
+
+def set_threads(n: int) -> None:
+    """torch's threads, and numba's where it is installed (the fused CPU kernels run on them).
+    numba's first: starting its OpenMP pool resets the OpenMP thread count torch shares."""
+    if importlib.util.find_spec("numba"):
+        import numba
+
+        numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+    torch.set_num_threads(n)
+
+
+def seconds(fn: Callable[[], object], reps: int) -> list[float]:
+    """Wall seconds of `reps` calls of fn after an untimed one (JIT, allocator, page faults)."""
+    fn()
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def measure_bandwidth(mib: int, reps: int) -> dict:
+    """Read bandwidth in GB/s (1e9 bytes): torch's GEMV, tinykv's and a sum over a float32 matrix
+    of `mib` MiB, best of `reps` each; `gb_s` is the highest (the closest to the memory's speed)."""
+    cols = 4096
+    a = torch.rand(mib * 2**20 // (4 * cols), cols)  # (R, C)
+    x = torch.rand(cols)  # (C,)
+    out = {"bytes": a.nbytes, "gemv_gb_s": a.nbytes / min(seconds(partial(torch.mv, a, x),
+                                                                     reps)) / 1e9,
+           "sum_gb_s": a.nbytes / min(seconds(a.sum, reps)) / 1e9}
+    if gemv.AVAILABLE:
+        product = partial(gemv.gemv, x[None], a)
+        out["tinykv_gemv_gb_s"] = a.nbytes / min(seconds(product, reps)) / 1e9
+    out["gb_s"] = max(v for k, v in out.items() if k.endswith("gb_s"))
+    return out
+
+
+def _unread_tables(model: Transformer) -> list[torch.Tensor]:
+    """The embedding tables a decode step does not read whole (only its tokens' rows): all of
+    them but one the LM head shares."""
+    return [t.weight for t in (model.embed, model.pos_embed)
+            if t is not None and t.weight is not model.lm_head.weight]
+
+
+def weight_bytes(model: Transformer) -> int:
+    """Parameter bytes a decode step reads: all of them, less the embedding tables it does not
+    read whole (a tied matrix is listed once, and read whole as the head)."""
+    unread = _unread_tables(model)
+    return sum(p.nbytes for p in model.parameters() if not any(p is t for t in unread))
+
+
+def linear_macs(model: Transformer) -> int:
+    """Multiply-adds of a decode token's linear layers: one per element of every weight matrix
+    the step reads (the LM head's included)."""
+    unread = _unread_tables(model)
+    return sum(p.numel() for p in model.parameters()
+               if p.dim() == 2 and not any(p is t for t in unread))
