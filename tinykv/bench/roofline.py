@@ -123,8 +123,8 @@ def _row(engine: str, kv: str, batch: int, context: int, measured: tuple, w_byte
          bandwidth: float, linear: tuple = (0, 0.0)) -> dict:
     """A decode row from (step times, mean KV bytes, parts' ms per step or None): median step
     time, tok/s, the roofline's, and the share of it reached. linear: (multiply-adds a token,
-    the FMA peak of the threads in GFMA/s): the linear layers' rate beside that peak, which is
-    what bounds them once a batch reuses each weight enough (16x1024)."""
+    the FMA peak of the threads in GFMA/s): the linear layers' rate beside that peak, the bound
+    their bytes give way to once a batch makes many multiply-adds of each weight (16x1024)."""
     times, kv_bytes, parts = measured
     t = statistics.median(times)
     roof = (w_bytes + kv_bytes) / (bandwidth * 1e9)  # seconds at the measured bandwidth
