@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .cpu_store import StoreArgs, _store_kernel, store_args
+from .cpu_store import StoreArgs, compiled_store, store_args, store_kernel
 from .layout import PoolLayer
 
 
@@ -77,12 +77,10 @@ class DirectLayers:
     def store(self, layer: int, k: np.ndarray, v: np.ndarray) -> None:
         """CpuKernels.store of k, then of v (N, H, D), without the conversions."""
         calls = self.layers[layer]
-        n_sat = 0
-        for rows, args, kernel in ((k, calls.k_store, calls.k_store_kernel),
-                                   (v, calls.v_store, calls.v_store_kernel)):
-            _float32_rows(rows)
-            n_sat += kernel(rows, self.blk, self.off, args.fmt, args.arrays, args.block_size,
-                            args.limits, args.dynamic)
+        _float32_rows(k)
+        _float32_rows(v)
+        n_sat = store_kernel(k, self.blk, self.off, calls.k_store, calls.k_store_kernel)
+        n_sat += store_kernel(v, self.blk, self.off, calls.v_store, calls.v_store_kernel)
         if n_sat:
             self.count_saturated(n_sat)
 
@@ -116,7 +114,7 @@ def layer_calls(layers: list[tuple[PoolLayer, PoolLayer]],
             return None
         serial, _, k_arrays, v_arrays, H, BS = call
         stores = [store_args(pool.p, pool.data, pool.scale, pool.zero) for pool in (k, v)]
-        store_k, store_v = Resolved(_store_kernel, 0), Resolved(_store_kernel, 0)
+        store_k, store_v = Resolved(compiled_store, 0), Resolved(compiled_store, 0)
         calls.append(LayerCalls(*stores, Resolved(serial, 2), store_k, store_v, k_arrays,
                                 v_arrays, H, BS))
     return calls

@@ -10,6 +10,7 @@ thread (waking others would cost more than the work).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
@@ -68,7 +69,7 @@ def store_args(p: QuantParams, data: torch.Tensor, scale: torch.Tensor | None,
 
 
 @kernel(error_model="numpy")  # IEEE division: no zero checks
-def _store_kernel(x, blk, off, fmt, pool, BS, limits, dynamic):
+def compiled_store(x, blk, off, fmt, pool, BS, limits, dynamic):
     """Quantize x (n, H, D) float32 into `pool` at rows (blk[i], h, off[i]), op for op as
     quant.compute_scales + quant.quantize; returns the count of saturated values and NaNs."""
     code, bits, scale_kind, scale_code, has_zero, offset = fmt
@@ -152,8 +153,10 @@ def store_rows(x: torch.Tensor, blk: np.ndarray, off: np.ndarray, args: StoreArg
     return store_kernel(rows, blk, off, args)
 
 
-def store_kernel(rows: np.ndarray, blk: np.ndarray, off: np.ndarray, args: StoreArgs) -> int:
+def store_kernel(rows: np.ndarray, blk: np.ndarray, off: np.ndarray, args: StoreArgs,
+                 compiled: Callable = compiled_store) -> int:
     """rows (n, H, D) float32 into the pool of `args` at (blk[i], :, off[i]); the count of
-    saturated values and NaNs."""
-    return int(_store_kernel(rows, blk, off, args.fmt, args.arrays, args.block_size, args.limits,
-                             args.dynamic))
+    saturated values and NaNs. compiled: compiled_store, or a caller's handle on it
+    (cpu_direct.Resolved)."""
+    return int(compiled(rows, blk, off, args.fmt, args.arrays, args.block_size, args.limits,
+                        args.dynamic))
