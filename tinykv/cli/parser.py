@@ -134,7 +134,8 @@ def add_calibrate_parser(sub: argparse._SubParsersAction) -> None:
                    help="spec with static parts, e.g. int8:tensor:static")
     c.add_argument("--out", required=True, metavar="FILE", help="scale file to write")
     c.add_argument("--observer", default="minmax", metavar="NAME",
-                   help="minmax | percentile:P | meanstd:K")
+                   help="minmax | percentile:P | meanstd:K | mse (each group's clip of least "
+                   "round-trip error)")
     c.add_argument("--vllm-out", metavar="FILE", help="also write the scales in vLLM's names")
     c.add_argument("--plot", metavar="PNG", help="key/value magnitudes per channel (--bits: each "
                    "layer's errors and choice)")
