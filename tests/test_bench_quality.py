@@ -9,6 +9,7 @@ import pytest
 import torch
 from test_evaluate import hf_dir  # noqa: F401  (the fixture)
 
+from tinykv import plots
 from tinykv.bench import quality
 from tinykv.budget import bits_per_element
 from tinykv.cache import make_cache
@@ -174,3 +175,27 @@ def test_older_runs_join_the_perplexity_panel(hf_dir, tmp_path, capsys):  # noqa
                  "--weights", str(hf_dir)]) == 0
     assert "3 specs" in capsys.readouterr().out
     assert (tmp_path / "q.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_chart_keeps_a_point_per_scale_file(monkeypatch, tmp_path):
+    """A spec measured again with the same scales: its newest row; with other scales (another
+    observer): a point each, the scale file's name leading its key."""
+    charted = []
+    monkeypatch.setattr(quality, "plot_pareto", lambda rows, path, note: charted.extend(rows))
+
+    def run(kv: str, scales: str | None, ppl: float) -> dict:
+        row = {"kv": kv, "bits_per_element": 3.0,
+               "texts": [{"ppl": ppl, "ref_ppl": 10.0, "kl": 0.01}]}
+        if scales:
+            row["calibration"] = scales
+        return {"texts": ["t tokens 0-100"], "window": 64, "chunk": 16, "context": 8192,
+                "rows": [row]}
+
+    spec = "k=int2:channel:static,v=int2:g64"
+    reports = [run("fp16", None, 10.0), run(spec, "/a/p97.safetensors", 11.0),
+               run(spec, "/a/p97.safetensors", 11.5), run(spec, "mse.safetensors", 12.0)]
+    assert quality.chart(reports, tmp_path / "q.png") == 3
+    by_scales = {row.get("scales"): row["texts"][0]["ppl"] for row in charted}
+    assert by_scales == {None: 10.0, "p97.safetensors": 11.5, "mse.safetensors": 12.0}
+    assert plots._labelled(charted[1]) == f"[p97.safetensors] {spec}"
+    assert plots._labelled(charted[0]) == "fp16"

@@ -205,10 +205,15 @@ def _legend_and_key(fig, key, rows: list[dict], key_lines: int) -> None:
     fig.legend(handles=handles, fontsize=8, loc="upper center", ncol=6,
                bbox_to_anchor=(0.5, 0.965), frameon=False)
     key.axis("off")
-    lines = [f"{i + 1:>2}  {_shortened(r['kv'])}" for i, r in enumerate(rows)]
+    lines = [f"{i + 1:>2}  {_shortened(_labelled(r))}" for i, r in enumerate(rows)]
     for col, chunk in enumerate((lines[:key_lines], lines[key_lines:])):
         key.text(0.5 * col, 1, "\n".join(chunk), va="top", family="monospace", fontsize=7.5,
                  transform=key.transAxes)
+
+
+def _labelled(row: dict) -> str:
+    """A row's spec, led by its scale file's name where the chart has that spec with others."""
+    return f"[{row['scales']}] {row['kv']}" if row.get("scales") else row["kv"]
 
 
 def _shortened(kv: str, width: int = 84) -> str:

@@ -16,6 +16,7 @@ or calibrates on --calibration-text itself).
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
@@ -159,16 +160,19 @@ def run(model: Transformer, path: Path, specs: list[KVSpec],
 def chart(reports: list[dict], path: str | Path, earlier: list[dict] | None = None,
           cfg: Config | None = None) -> int:
     """The quality chart (plots.plot_pareto) of the rows of saved reports, measured alike (a spec
-    measured twice: its last row) on the first report's first text (the note names it, its
+    measured twice with the same scales: its last row; with other scales: a point each, its
+    scale file named in the key) on the first report's first text (the note names it, its
     window, chunk and context; reports on another text are left out). `earlier`: runs from
     before KL was measured (perplexity alone), charted on the perplexity panel when they fed the
     first text's tokens alike (legacy_rows). Returns the number of specs charted."""
     first = reports[0]
     reports = [r for r in reports if r["texts"][0] == first["texts"][0]]  # other texts: apart
     legacy = [row for run in earlier or [] for row in legacy_rows(run, first, cfg)]
-    latest = {row["kv"]: row for report in [{"rows": legacy}, *reports]
-              for row in report["rows"]}  # one per spec, the newest measurement
-    rows = list(latest.values())
+    latest = {(row["kv"], row.get("calibration")): row for report in [{"rows": legacy}, *reports]
+              for row in report["rows"]}  # one per spec and scales, the newest measurement
+    specs = Counter(kv for kv, _ in latest)
+    rows = [{**row, "scales": Path(scales).name} if specs[kv] > 1 and scales else row
+            for (kv, scales), row in latest.items()]
     note = (f"{first['texts'][0]}: windows of {first['window']} fed {first['chunk']} tokens a "
             f"step; bits counted at a {first['context']}-token context")
     plot_pareto(rows, path, note)
