@@ -4,13 +4,14 @@ can do."""
 
 import re
 
+import numpy as np
 import pytest
 import torch
 
 from tests.pools import make_pool
 from tinykv.blocks import CacheError
 from tinykv.kernels import PoolLayer, check_layout, select_kernels, stored_format
-from tinykv.kernels.layout import FLOAT, FP8, INT
+from tinykv.kernels.layout import CACHE_LINE, FLOAT, FP8, INT, empty_rows
 from tinykv.spec import QuantParams
 
 # spec -> (family, bits, per_byte, signed, has_zero, offset, group size at D=64)
@@ -65,3 +66,15 @@ def test_select_kernels_by_capability():
     assert select_kernels("torch", cpu).reads_host_memory
     with pytest.raises(CacheError, match="unknown attention"):
         select_kernels("fast", cpu)
+
+
+@pytest.mark.parametrize("shape, dtype", [((16, 576), np.float32), ((1, 3, 5), np.float32),
+                                          ((7,), np.int16), ((0, 4), np.float32)])
+def test_empty_rows_start_on_a_cache_line(shape, dtype):
+    """Many arrays in one process, so an allocator that lands on a line by luck cannot pass."""
+    arrays = [empty_rows(shape, dtype) for _ in range(64)]
+    for a in arrays:
+        assert a.shape == shape and a.dtype == dtype and a.flags.c_contiguous and a.flags.writeable
+        assert a.ctypes.data % CACHE_LINE == 0 or a.size == 0
+    spans = sorted((a.ctypes.data, a.ctypes.data + a.nbytes) for a in arrays if a.size)
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))  # no overlap

@@ -26,6 +26,17 @@ def test_logits_no_cache(pair):
     torch.testing.assert_close(m(ids), ref, atol=1e-4, rtol=1e-4)
 
 
+def test_weights_start_on_a_cache_line(pair):
+    """safetensors' tensors lie at their file offsets; the CPU kernels' vector loads want every
+    weight row on a cache line (rows here are whole lines), so loading moves the ones that are
+    not, values unchanged."""
+    hf, m = pair
+    assert all(p.data_ptr() % 64 == 0 for p in m.parameters())
+    for name, p in hf.named_parameters():
+        if name.endswith("embed_tokens.weight") or name.endswith("wte.weight"):
+            assert torch.equal(m.embed.weight, p)
+
+
 def test_cached_decode_matches_hf_cache(pair):
     """Prefill 13 tokens, then decode one at a time through the paged fp32 cache, vs HF with its
     cache."""

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from .gemv_tiles import tiles_block
 from .kernels.cpu_numerics import kernel
 from .kernels.cpu_simd import HAS_F16C, WIDE_VECTORS, prefetch_lines
+from .kernels.layout import empty_rows
 
 try:
     import numba
@@ -275,7 +276,7 @@ def _run_linear(x, norm_weight, eps, w, bias, residual, swiglu, out) -> None:
 def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x (B, K) float32 @ weight (N, K)^T -> (B, N) float32, by the numba kernel, on torch's
     number of threads."""
-    y = np.empty((x.shape[0], weight.shape[0]), np.float32)  # (B, N)
+    y = empty_rows((x.shape[0], weight.shape[0]))  # (B, N)
     _run_linear(x.numpy(), _NONE_1D, np.float32(0.0), _weight_array(weight), _NONE_1D, _NONE_2D,
                 False, y)
     return torch.from_numpy(y)
@@ -313,7 +314,7 @@ def linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         return residual + linear_cpu(x, weight, bias, norm, None, swiglu, reference=reference)
     n_out = weight.shape[0] // 2 if swiglu else weight.shape[0]
     rows = x.numel() // x.shape[-1]
-    out = np.empty((rows, n_out), np.float32)  # (B, M)
+    out = empty_rows((rows, n_out))  # (B, M)
     _run_linear(x.view(rows, x.shape[-1]).numpy(), norm_weight, eps, _weight_array(weight),
                 _NONE_1D if bias is None else bias.detach().numpy(),
                 _NONE_2D if residual is None else residual.view(rows, n_out).numpy(), swiglu, out)
@@ -339,6 +340,6 @@ def rms_norm_cpu(x: torch.Tensor, normalized_shape: list[int], weight: torch.Ten
             or weight.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous()):
         return F.rms_norm(x, normalized_shape, weight, eps)
     flat = x.view(-1, x.shape[-1])  # (B, D)
-    out = np.empty(flat.shape, np.float32)  # (B, D)
+    out = empty_rows(flat.shape)  # (B, D)
     _rms_norm_rows(flat.numpy(), weight.detach().numpy(), np.float32(eps), out)
     return torch.from_numpy(out).view(x.shape)

@@ -29,6 +29,7 @@ import torch.nn as nn
 
 from . import gemv
 from .gemv import AVAILABLE, ROWS, SMALL_BATCH, TILE_BATCH, njit, numba, prange
+from .kernels.layout import empty_rows
 
 # numba's disk cache watches only the file that defines a function: these kernels inline gemv.py
 # and gemv_tiles.py too, so their key hashes all three
@@ -187,8 +188,8 @@ def project_cpu(attn, x: torch.Tensor, norm: nn.Module, cos: torch.Tensor | None
         return reference(attn, x, norm, cos, sin)
     (norm_weight, w, bias), eps, _ = prepared
     rows = x.shape[0]
-    out_qk = np.empty((rows, cfg.n_heads + cfg.n_kv_heads, cfg.head_dim), np.float32)
-    out_v = np.empty((rows, cfg.n_kv_heads, cfg.head_dim), np.float32)
+    out_qk = empty_rows((rows, cfg.n_heads + cfg.n_kv_heads, cfg.head_dim))
+    out_v = empty_rows((rows, cfg.n_kv_heads, cfg.head_dim))
     threads = gemv._threads()
     if threads > 1:
         numba.set_num_threads(threads)
@@ -208,7 +209,7 @@ def finish_cpu(block, o: torch.Tensor, x: torch.Tensor, *, cache: dict,
     if not prepared or x.shape[0] > prepared[2]:
         return reference(block, o, x)
     (w_o, b_o, norm_weight, w_in, b_in, w_out, b_out), eps, _ = prepared
-    out = np.empty((x.shape[0], x.shape[1]), np.float32)  # (N, dim)
+    out = empty_rows((x.shape[0], x.shape[1]))  # (N, dim)
     threads = gemv._threads()
     if threads > 1:
         numba.set_num_threads(threads)
@@ -238,9 +239,9 @@ def layers_cpu(model, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tens
     x_rows = x.numpy()  # (N, dim)
     # one set of arrays for every layer (an np.empty between two layers' weight reads runs with
     # cold caches); the layer's output alternates between two, as finish reads its input
-    qk = np.empty((rows, Hq + cfg.n_kv_heads, cfg.head_dim), np.float32)  # q|k heads
-    v = np.empty((rows, cfg.n_kv_heads, cfg.head_dim), np.float32)
-    outs = (np.empty_like(x_rows), np.empty_like(x_rows))  # (N, dim) each
+    qk = empty_rows((rows, Hq + cfg.n_kv_heads, cfg.head_dim))  # q|k heads
+    v = empty_rows((rows, cfg.n_kv_heads, cfg.head_dim))
+    outs = (empty_rows(x_rows.shape), empty_rows(x_rows.shape))  # (N, dim) each
     for layer, (((norm1, w_qkv, b_qkv), eps1, _), (finish, eps2, _)) in enumerate(layers):
         w_o, b_o, norm2, w_in, b_in, w_out, b_out = finish
         _project_serial(x_rows, norm1, eps1, w_qkv, b_qkv, tables[0], tables[1], qk, v)

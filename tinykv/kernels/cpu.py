@@ -32,7 +32,7 @@ from .cpu_numerics import AVAILABLE, REASON, njit, numba
 from .cpu_plain import attention_kernel
 from .cpu_store import quantize_store_cpu, store_args, store_rows  # noqa: F401 (the store)
 from .cpu_vector import HEAD_BY_HEAD, takes, vector_kernel
-from .layout import PoolLayer
+from .layout import PoolLayer, empty_rows
 from .reference import Partial, paged_attention_ref
 
 CHUNK_MAX = 4
@@ -118,7 +118,7 @@ class CpuKernels:
         if num_splits is None:
             num_splits = 1 if threads == 1 or (N * H) % threads == 0 or N * H >= 8 * threads \
                 else threads
-        o = np.empty((num_splits, N, Hq, D), np.float32)
+        o = empty_rows((num_splits, N, Hq, D))
         lse = np.empty((num_splits, N, Hq), np.float32)
         if q.dtype is torch.float32 and q.is_contiguous():
             q_rows = q.numpy()  # (N, Hq, D), a view

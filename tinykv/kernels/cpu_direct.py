@@ -13,7 +13,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .cpu_store import StoreArgs, compiled_store, store_args, store_kernel
-from .layout import PoolLayer
+from .layout import PoolLayer, empty_rows
 
 
 class Resolved:
@@ -90,7 +90,7 @@ class DirectLayers:
         calls, step = self.layers[layer], self.step
         N, Hq, D = q.shape
         if self.out is None or self.out[0].shape != (1, N, Hq, D):
-            self.out = (np.empty((1, N, Hq, D), np.float32), np.empty((1, N, Hq), np.float32))
+            self.out = (empty_rows((1, N, Hq, D)), empty_rows((1, N, Hq)))
         o, lse = self.out
         H = calls.kv_heads
         _float32_rows(q)

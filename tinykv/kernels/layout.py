@@ -12,9 +12,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..spec import QuantParams
+
+CACHE_LINE = 64  # bytes
+
+
+def empty_rows(shape: tuple[int, ...], dtype=np.float32) -> np.ndarray:
+    """np.empty(shape, dtype) starting on a cache line. numpy starts arrays 16 bytes into one,
+    and with rows a whole number of lines long (576 or 1536 float32) every vector load of such an
+    array then straddles two lines: twice the L1 reads where the CPU kernels are bound by them."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    raw = np.empty(nbytes + CACHE_LINE, np.uint8)
+    start = -raw.ctypes.data % CACHE_LINE
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
+
 
 # Families of stored formats: a plain float cast, integer codes of `bits` bits, fp8 e4m3 bits.
 FLOAT, INT, FP8 = 0, 1, 2
