@@ -168,6 +168,34 @@ def test_resolved_keeps_a_version_per_layout():
     assert all(entry is not kernel for entry in resolved.entries.values())
 
 
+def _pair_sums(k_rows, v_rows, out):
+    """out[n] = the sum of k_rows[n] + twice that of v_rows[n], element by element."""
+    for n in range(k_rows.shape[0]):
+        out[n] = 0.0
+        for h in range(k_rows.shape[1]):
+            for d in range(k_rows.shape[2]):
+                out[n] += k_rows[n, h, d]
+        for h in range(v_rows.shape[1]):
+            for d in range(v_rows.shape[2]):
+                out[n] += 2 * v_rows[n, h, d]
+
+
+def test_resolved_keys_on_the_layout_of_every_rows_argument():
+    """The store's Resolved takes K and V rows: a change in V's layout alone (K's the same) must
+    reach a version compiled for it."""
+    import numba
+    import numpy as np
+
+    resolved = cpu_direct.Resolved(numba.njit(_pair_sums), 0, 1)
+    base = np.arange(4 * 6 * 8, dtype=np.float32).reshape(4, 6, 8)  # (N, H, D)
+    k_rows = np.ascontiguousarray(base[:, :3])
+    for v_rows in (np.ascontiguousarray(base[:, 3:]), base[:, 3:], base[:, 3:]):
+        out = np.zeros(4, np.float32)
+        resolved(k_rows, v_rows, out)
+        np.testing.assert_array_equal(out, k_rows.sum(axis=(1, 2)) + 2 * v_rows.sum(axis=(1, 2)))
+    assert len(resolved.entries) == 2
+
+
 def test_direct_rows_must_be_float32():
     with pytest.raises(TypeError, match="float32 rows"):
         cpu_direct._float32_rows(torch.zeros(1, 2, 4, dtype=torch.float64).numpy())

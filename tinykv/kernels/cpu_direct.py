@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .cpu_store import StoreArgs, compiled_store, store_args, store_kernel
+from .cpu_store import compiled_store_pair, store_args
 from .layout import PoolLayer, empty_rows
 
 
@@ -21,17 +21,20 @@ class Resolved:
     through numba's dispatcher, later ones straight to the compiled version it chose. The
     dispatcher types every argument of every call (a dozen arrays and tuples here: 1-2 us of a
     direct attention call's 4-6, bench kernel --cpu), and a direct layer's calls take the same
-    pools, step arrays and output arrays every step. Only the rows (argument `rows_at`, float32
-    of rank 3: _float32_rows) change between steps, and with them maybe their layout (a view of
-    one token is contiguous, of several may not be): a version is kept per layout."""
+    pools, step arrays and output arrays every step. Only the rows (the arguments at positions
+    `rows_at`, float32 of rank 3: _float32_rows) change between steps, and with them maybe their
+    layout (a view of one token is contiguous, of several may not be): a version is kept per
+    layout of them all."""
 
-    def __init__(self, dispatcher: Callable, rows_at: int):
+    def __init__(self, dispatcher: Callable, *rows_at: int):
         self.dispatcher, self.rows_at = dispatcher, rows_at
-        self.entries: dict[tuple[bool, bool], Callable] = {}
+        self.entries: dict[tuple[bool, ...], Callable] = {}  # (C, Fortran) flags of each rows
 
     def __call__(self, *args):
-        rows = args[self.rows_at]
-        layout = (rows.flags.c_contiguous, rows.flags.f_contiguous)
+        layout = ()
+        for at in self.rows_at:
+            flags = args[at].flags
+            layout += (flags.c_contiguous, flags.f_contiguous)
         entry = self.entries.get(layout)
         if entry is not None:
             return entry(*args)
@@ -46,11 +49,10 @@ class Resolved:
 
 class LayerCalls(NamedTuple):
     """One layer's store and attention as DirectLayers calls them, converted once per cache."""
-    k_store: StoreArgs
-    v_store: StoreArgs
+    store: Resolved  # cpu_store.compiled_store_pair: K and V in one call (the rows at 0 and 1)
+    store_args: tuple  # its arguments after blk and off: each pool's (format, arrays, limits,
+    # dynamic), K's then V's, and the block size (cpu_store.StoreArgs)
     attend: Resolved  # the serial attention kernel of this pair of formats
-    k_store_kernel: Resolved  # cpu_store's kernel, one per pool: the formats may differ by layer
-    v_store_kernel: Resolved
     k_arrays: tuple  # cpu_args.PoolArrays of K, then V
     v_arrays: tuple
     kv_heads: int
@@ -79,8 +81,7 @@ class DirectLayers:
         calls = self.layers[layer]
         _float32_rows(k)
         _float32_rows(v)
-        n_sat = store_kernel(k, self.blk, self.off, calls.k_store, calls.k_store_kernel)
-        n_sat += store_kernel(v, self.blk, self.off, calls.v_store, calls.v_store_kernel)
+        n_sat = calls.store(k, v, self.blk, self.off, *calls.store_args)
         if n_sat:
             self.count_saturated(n_sat)
 
@@ -113,10 +114,13 @@ def layer_calls(layers: list[tuple[PoolLayer, PoolLayer]],
         if call is None:
             return None
         serial, _, k_arrays, v_arrays, H, BS = call
-        stores = [store_args(pool.p, pool.data, pool.scale, pool.zero) for pool in (k, v)]
-        store_k, store_v = Resolved(compiled_store, 0), Resolved(compiled_store, 0)
-        calls.append(LayerCalls(*stores, Resolved(serial, 2), store_k, store_v, k_arrays,
-                                v_arrays, H, BS))
+        k_store, v_store = (store_args(pool.p, pool.data, pool.scale, pool.zero)
+                            for pool in (k, v))
+        assert k_store.block_size == v_store.block_size == BS, "K and V share the block table"
+        pair_args = (k_store.fmt, k_store.arrays, k_store.limits, k_store.dynamic,
+                     v_store.fmt, v_store.arrays, v_store.limits, v_store.dynamic, BS)
+        calls.append(LayerCalls(Resolved(compiled_store_pair, 0, 1), pair_args,
+                                Resolved(serial, 2), k_arrays, v_arrays, H, BS))
     return calls
 
 

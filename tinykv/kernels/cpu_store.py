@@ -10,7 +10,6 @@ thread (waking others would cost more than the work).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
@@ -132,6 +131,15 @@ def compiled_store(x, blk, off, fmt, pool, BS, limits, dynamic):
     return count
 
 
+@kernel(error_model="numpy")
+def compiled_store_pair(k_rows, v_rows, blk, off, k_fmt, k_pool, k_limits, k_dynamic, v_fmt,
+                        v_pool, v_limits, v_dynamic, BS):
+    """compiled_store of a layer's keys, then of its values, in one call (a decode step's
+    direct path: one dispatch, and blk, off and BS unboxed once, for both)."""
+    return (compiled_store(k_rows, blk, off, k_fmt, k_pool, BS, k_limits, k_dynamic)
+            + compiled_store(v_rows, blk, off, v_fmt, v_pool, BS, v_limits, v_dynamic))
+
+
 def quantize_store_cpu(x: torch.Tensor, p: QuantParams, data: torch.Tensor,
                        scale: torch.Tensor | None, zero: torch.Tensor | None, blk: torch.Tensor,
                        off: torch.Tensor) -> int:
@@ -153,10 +161,8 @@ def store_rows(x: torch.Tensor, blk: np.ndarray, off: np.ndarray, args: StoreArg
     return store_kernel(rows, blk, off, args)
 
 
-def store_kernel(rows: np.ndarray, blk: np.ndarray, off: np.ndarray, args: StoreArgs,
-                 compiled: Callable = compiled_store) -> int:
+def store_kernel(rows: np.ndarray, blk: np.ndarray, off: np.ndarray, args: StoreArgs) -> int:
     """rows (n, H, D) float32 into the pool of `args` at (blk[i], :, off[i]); the count of
-    saturated values and NaNs. compiled: compiled_store, or a caller's handle on it
-    (cpu_direct.Resolved)."""
-    return int(compiled(rows, blk, off, args.fmt, args.arrays, args.block_size, args.limits,
-                        args.dynamic))
+    saturated values and NaNs."""
+    return int(compiled_store(rows, blk, off, args.fmt, args.arrays, args.block_size,
+                              args.limits, args.dynamic))
