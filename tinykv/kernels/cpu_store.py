@@ -158,11 +158,5 @@ def store_rows(x: torch.Tensor, blk: np.ndarray, off: np.ndarray, args: StoreArg
     if x.shape[0] == 0:
         return 0
     rows = x.numpy() if x.dtype is torch.float32 else x.float().numpy()  # strided views stay so
-    return store_kernel(rows, blk, off, args)
-
-
-def store_kernel(rows: np.ndarray, blk: np.ndarray, off: np.ndarray, args: StoreArgs) -> int:
-    """rows (n, H, D) float32 into the pool of `args` at (blk[i], :, off[i]); the count of
-    saturated values and NaNs."""
     return int(compiled_store(rows, blk, off, args.fmt, args.arrays, args.block_size,
                               args.limits, args.dynamic))
