@@ -71,8 +71,10 @@ TILE_BATCH = 64  # the same for float32 weights, read in tiles (gemv_tiles.py)
 # Fewer rows: row by row, whose one sequential weight stream reads faster than the eight-row
 # loop's 8 streams or a tile whose activation rows repeat one row. Over the model's 121 matrices
 # on a Zen 3 (AVX2), row by row against the eight-row loop: float32 1 row 0.75x the time, 2 rows
-# 0.88x, 4 rows 1.18x; bf16 0.56x to 0.84x at 1 to 8 rows, fp16 0.65x to 1.0x.
-TILE_MIN_ROWS = 3
+# 0.88x, 4 rows 1.18x; bf16 0.56x to 0.84x at 1 to 8 rows, fp16 0.65x to 1.0x. With AVX-512 the
+# tiles hold their 16 sums in registers, and on a Sapphire Rapids they took 0.93-0.95x the time of
+# row by row at 2 rows over the same matrices (1 row: 0.99-1.02x), so they start at 2 there.
+TILE_MIN_ROWS = 2 if WIDE_VECTORS else 3
 # Row by row, the lines of the row this many ahead are requested while one is summed, so more
 # reads are in flight than the hardware prefetcher keeps for one stream (it also stops at each
 # 4 KiB page). 121 matrices at batch 1 on a Sapphire Rapids, interleaved: 1.01-1.12x the read
