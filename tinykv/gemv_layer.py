@@ -281,7 +281,7 @@ def rope_cpu(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
             or cos.shape != (x.shape[0], 1, x.shape[2]) or not gemv._float32_rows(cos)
             or not gemv._float32_rows(sin) or sin.shape != cos.shape):
         return reference(x, cos, sin)
-    out = np.empty(x.shape, np.float32)  # (N, H, D)
+    out = empty_rows(x.shape)  # (N, H, D)
     _rope_rows(x.numpy(), cos.view(x.shape[0], -1).numpy(), sin.view(x.shape[0], -1).numpy(),
                out)
     return torch.from_numpy(out)

@@ -21,7 +21,7 @@ CACHE_LINE = 64  # bytes
 
 
 def empty_rows(shape: tuple[int, ...], dtype=np.float32) -> np.ndarray:
-    """np.empty(shape, dtype) starting on a cache line. numpy starts arrays 16 bytes into one,
+    """np.empty(shape, dtype) starting on a cache line. numpy starts arrays 16 or 48 bytes into one,
     and with rows a whole number of lines long (576 or 1536 float32) every vector load of such an
     array then straddles two lines: twice the L1 reads where the CPU kernels are bound by them."""
     dtype = np.dtype(dtype)
