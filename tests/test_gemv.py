@@ -28,9 +28,9 @@ def bound(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> torch.Ten
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-# Each loop has its rows here: row by row below TILE_MIN_ROWS (and half weights up to
-# SMALL_BATCH), the float32 tiles from 3 to TILE_MAX_ROWS (all up to TILE_BATCH with AVX-512, up
-# to 8 with AVX2), the eight-row loop beyond, torch past TILE_BATCH
+# Each loop has its rows here: sliced up to SLICED_MAX_ROWS (and half weights up to SMALL_BATCH),
+# the float32 tiles from there to TILE_MAX_ROWS (with AVX-512; none with AVX2), the eight-row loop
+# beyond, torch past TILE_BATCH
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, gemv.SMALL_BATCH, gemv.SMALL_BATCH + 3, 13,
                                   gemv.TILE_BATCH // 2 + 1, gemv.TILE_BATCH, gemv.TILE_BATCH + 1])
 def test_linear_cpu_within_the_float32_bound(dtype, rows, threads):
@@ -50,6 +50,24 @@ def test_linear_cpu_within_the_float32_bound(dtype, rows, threads):
     # and as close to F.linear as two products within the bound can be
     ref = F.linear(x.float(), w.float(), bias.float()).double()
     assert bool(((y.double() - ref).abs() <= 2 * limit).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, gemv.SLICED_MAX_ROWS, gemv.SLICED_MAX_ROWS + 1,
+                                  gemv.TILE_MAX_ROWS + 1])
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 17, 131])
+def test_every_output_row_in_every_loop(dtype, rows, n, threads):
+    """Each loop's blocks write every output row once, at any row count: the sliced loop's 8
+    slices of ceil(n / 8) rows leave the last ones short or empty (n = 9: slices of 2, the fifth
+    holds row 8 alone, the last three none), the tiles' and the eight-row loop's last block is
+    short."""
+    gen = torch.Generator().manual_seed(n * 100 + rows)
+    w = torch.randn(n, 40, generator=gen).to(dtype)
+    x = torch.randn(rows, 40, generator=gen).to(dtype)
+    y = gemv.linear_cpu(x, w, reference=fused_linear)
+    exact = x.double() @ w.double().T
+    err = (y.double() - exact).abs()
+    assert bool((err <= bound(x, w, dtype)).all()), float(err.max())
 
 
 @pytest.mark.parametrize("swiglu", [False, True], ids=["plain", "swiglu"])

@@ -5,12 +5,13 @@ A decode step multiplies one activation row per sequence by every weight matrix 
 its linear layers are matrix-vector products bound by the bytes of W, not by arithmetic. Torch's
 `F.linear` takes the general matmul path for them and reads the weights well below the machine's
 bandwidth. The kernel here walks W in blocks of `ROWS` output rows (the unit threads split) and
-reads each block from memory once. How it reads a block depends on the batch. For one or two
-activation rows, and for half weights, row by row: one sequential stream, each row multiplied by
-every activation row while it sits in L1. Float32 weights at a few more rows go 4 rows by 4
-activation rows at a time in vector registers (gemv_tiles.py), which keeps a batch of up to
-`TILE_BATCH` rows bound by the weights' bytes; beyond the tiles, 8 rows in parallel, each
-activation row multiplied by the block in L1. Half weights widen element by element
+reads each block from memory once. How it reads a block depends on the batch. For a few
+activation rows, and for half weights, sliced: a block's 8 rows come from 8 slices of W, so 8
+sequential streams are read at once, and each row is multiplied by every activation row while it
+sits in L1. Float32 weights at more rows go 4 rows by 4 activation rows at a time in vector
+registers (gemv_tiles.py), which keeps a batch of up to `TILE_BATCH` rows bound by the weights'
+bytes; beyond the tiles, 8 contiguous rows in parallel, each activation row multiplied by the
+block in L1. Half weights widen element by element
 (`SMALL_BATCH`). Prefill chunks and large batches, where a matmul is bound by arithmetic, stay
 with torch.
 
@@ -39,7 +40,7 @@ import torch.nn.functional as F
 
 from .gemv_tiles import tiles_block
 from .kernels.cpu_numerics import kernel
-from .kernels.cpu_simd import HAS_F16C, WIDE_VECTORS, prefetch_lines
+from .kernels.cpu_simd import HAS_F16C, WIDE_VECTORS
 from .kernels.layout import empty_rows
 
 try:
@@ -68,23 +69,22 @@ ROWS = 8  # output rows per block: per pass over x, 8 weight streams and 8 vecto
 # in the eight-row loop (4: slower, bench profile's linear alone)
 SMALL_BATCH = 8  # activation rows up to which the GEMV beats torch's matmul (bench profile)
 TILE_BATCH = 64  # the same for float32 weights, read in tiles (gemv_tiles.py)
-# Fewer rows: row by row, whose one sequential weight stream reads faster than the eight-row
-# loop's 8 streams or a tile whose activation rows repeat one row. Over the model's 121 matrices
-# on a Zen 3 (AVX2), row by row against the eight-row loop: float32 1 row 0.75x the time, 2 rows
-# 0.88x, 4 rows 1.18x; bf16 0.56x to 0.84x at 1 to 8 rows, fp16 0.65x to 1.0x. With AVX-512 the
-# tiles hold their 16 sums in registers, and on a Sapphire Rapids they took 0.93-0.95x the time of
-# row by row at 2 rows over the same matrices (1 row: 0.99-1.02x), so they start at 2 there.
-TILE_MIN_ROWS = 2 if WIDE_VECTORS else 3
-# Row by row, the lines of the row this many ahead are requested while one is summed, so more
-# reads are in flight than the hardware prefetcher keeps for one stream (it also stops at each
-# 4 KiB page). 121 matrices at batch 1 on a Sapphire Rapids, interleaved: 1.01-1.12x the read
-# rate; 2 rows ahead as good, 8 no better.
-PREFETCH_ROWS = 4
+# Up to this many activation rows (and for half weights, always) the sliced loop (_sliced): the
+# eight-row loop's arithmetic on 8 rows from 8 slices of W, 8 sequential streams far apart. One
+# row's stream (the earlier loop here, with rows requested 4 ahead) leaves the reads idle where it
+# crosses a 4 KiB page, which the hardware prefetcher does not cross. Over the model's 121
+# matrices on a Sapphire Rapids, one thread, outputs preallocated, the two loops timed in turn:
+# float32 at 1 row 0.71x that loop's time, bf16 0.74x at 1 row to 0.84x at 8, fp16 0.76x to 0.88x
+# at 4. Against the float32 tiles: 0.78x at 2 rows, 0.87x at 3, 1.0x at 4, 1.15x at 8 with
+# AVX-512; with AVX2 code (NUMBA_CPU_NAME=haswell, same machine) 0.65x at 2 rows to 0.86x at 8,
+# so there the tiles are not used.
+SLICED_MAX_ROWS = 3 if WIDE_VECTORS else 8
 # More rows than this: the eight-row loop. With 256-bit vectors (AVX2) a tile's 16 accumulators
 # are 32 registers' worth in 16: per step of 16 channels its hot loop does 32 multiply-adds and
 # stores 18 vectors to the stack and reloads 22 (with AVX-512: 16, 9.5 and 11.5; read from the
-# assembly), so there the tiles are faster at 3-4 rows, even at 8, and slower from 12 (measured
-# over the model's matrices on a Zen 3: 16 rows 165 ms against 130, 64 rows 624 against 383).
+# assembly), so there they are slower than the eight-row loop from 12 rows (measured over the
+# model's matrices on a Zen 3: 16 rows 165 ms against 130, 64 rows 624 against 383) and than the
+# sliced loop at 2 to 8 (above).
 TILE_MAX_ROWS = TILE_BATCH if WIDE_VECTORS else 8
 # Weight dtype -> the numpy type the kernel receives it as. The element type tells the kernel the
 # format (`_widen`): half weights travel as bits, bf16 as int16 and fp16 as uint16.
@@ -112,22 +112,48 @@ def _widen(typingctx, w):
 _FASTMATH = {"reassoc", "contract", "arcp", "nsz"}  # sums may be reordered; nans still propagate
 
 
+@njit(inline="always", cache=True)
+def _slice_rows(block, n):
+    """Block `block`'s rows as the sliced loop reads them: row `block` of each of ROWS slices of
+    w's n rows, each slice `stride` = ceil(n / ROWS) rows long; past the last row, the last row
+    again (read, summed and dropped)."""
+    stride = -(-n // ROWS)
+    last = n - 1
+    return (min(block, last), min(block + stride, last), min(block + 2 * stride, last),
+            min(block + 3 * stride, last), min(block + 4 * stride, last),
+            min(block + 5 * stride, last), min(block + 6 * stride, last),
+            min(block + 7 * stride, last)), stride
+
+
 @njit(fastmath=_FASTMATH, cache=True)
-def _row_by_row(x, w, y, block):
-    """_gemv_block's contract, one weight row at a time: the block's rows stream from memory in
-    order, one sequential stream requested PREFETCH_ROWS rows ahead, and the row stays in L1
-    while each activation row's dot product with it is summed (in vector lanes under fastmath,
-    then across them once per output)."""
+def _sliced(x, w, y, block):
+    """_gemv_block's contract for a block of rows far apart: one row from each of ROWS slices
+    of w (`_slice_rows`), so a pass over the block's rows reads ROWS sequential streams at once,
+    each in its own part of memory; the rows stay in L1 while every activation row is multiplied
+    by them. A core's hardware prefetcher follows a stream only within a 4 KiB page, and one
+    stream of contiguous rows leaves reads idle at each page crossing; 8 streams in different
+    pages keep more reads in flight (see SLICED_MAX_ROWS for what it gains)."""
     n, k = w.shape
-    lines = -(-k * w.itemsize // 64)  # 64-byte lines a row spans
-    for row in range(block * ROWS, min(block * ROWS + ROWS, n)):
-        if row + PREFETCH_ROWS < n:
-            prefetch_lines(w, (row + PREFETCH_ROWS) * k, lines)
-        for b in range(x.shape[0]):
-            acc = np.float32(0.0)
-            for c in range(k):
-                acc += _widen(w[row, c]) * x[b, c]
-            y[b, row] = acc
+    first = np.int64(block)  # prange's index may be unsigned: int64 + uint64 would be a float
+    rows, stride = _slice_rows(first, n)
+    r0, r1, r2, r3, r4, r5, r6, r7 = rows
+    for b in range(x.shape[0]):
+        a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = np.float32(0.0)  # one per output row
+        for c in range(k):  # fastmath: LLVM vectorizes the eight dot products along c
+            xc = x[b, c]
+            a0 += _widen(w[r0, c]) * xc
+            a1 += _widen(w[r1, c]) * xc
+            a2 += _widen(w[r2, c]) * xc
+            a3 += _widen(w[r3, c]) * xc
+            a4 += _widen(w[r4, c]) * xc
+            a5 += _widen(w[r5, c]) * xc
+            a6 += _widen(w[r6, c]) * xc
+            a7 += _widen(w[r7, c]) * xc
+        sums = (a0, a1, a2, a3, a4, a5, a6, a7)
+        for i in range(ROWS):
+            row = first + i * stride
+            if row < n:
+                y[b, row] = sums[i]
 
 
 def _gemv_block(x, w, y, block):
@@ -135,8 +161,13 @@ def _gemv_block(x, w, y, block):
     the block's weights come from memory once and stay in L1 for the rest of the batch."""
     n, k = w.shape
     r = block * ROWS
-    if r + ROWS > n:  # the last rows, when N is not a multiple of ROWS
-        _row_by_row(x, w, y, block)
+    if r + ROWS > n:  # the last rows, when N is not a multiple of ROWS: one at a time
+        for row in range(r, n):
+            for b in range(x.shape[0]):
+                total = np.float32(0.0)
+                for c in range(k):
+                    total += _widen(w[row, c]) * x[b, c]
+                y[b, row] = total
         return
     for b in range(x.shape[0]):
         a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = np.float32(0.0)  # one per output row
@@ -176,9 +207,9 @@ def serial_and_parallel(fn: Callable, variant: tuple) -> tuple:
 
 def _block(x, w, y, block):
     """_gemv_block's contract, by the loop that reads these weights fastest for this many
-    activation rows: row by row for half weights and for fewer than TILE_MIN_ROWS rows; float32
-    weights in 4 x 4 tiles of registers (gemv_tiles.py) at TILE_MIN_ROWS to TILE_MAX_ROWS rows;
-    eight rows at a time beyond."""
+    activation rows: sliced (_sliced) for half weights and up to SLICED_MAX_ROWS rows; float32
+    weights in 4 x 4 tiles of registers (gemv_tiles.py) from there to TILE_MAX_ROWS rows; eight
+    contiguous rows at a time beyond (the slices' rows would share L1 sets there: see _sliced)."""
     _gemv_block(x, w, y, block)
 
 
@@ -188,11 +219,11 @@ if AVAILABLE:
     @overload(_block)
     def _block_for(x, w, y, block):
         if w.dtype != types.float32:
-            return lambda x, w, y, block: _row_by_row(x, w, y, block)
+            return lambda x, w, y, block: _sliced(x, w, y, block)
 
         def float32_block(x, w, y, block):
-            if x.shape[0] < TILE_MIN_ROWS:
-                _row_by_row(x, w, y, block)
+            if x.shape[0] <= SLICED_MAX_ROWS:
+                _sliced(x, w, y, block)
             elif x.shape[0] <= TILE_MAX_ROWS:
                 tiles_block(x, w, y, block * ROWS, ROWS)
             else:
