@@ -112,31 +112,17 @@ def _widen(typingctx, w):
 _FASTMATH = {"reassoc", "contract", "arcp", "nsz"}  # sums may be reordered; nans still propagate
 
 
-@njit(inline="always", cache=True)
-def _slice_rows(block, n):
-    """Block `block`'s rows as the sliced loop reads them: row `block` of each of ROWS slices of
-    w's n rows, each slice `stride` = ceil(n / ROWS) rows long; past the last row, the last row
-    again (read, summed and dropped)."""
-    stride = -(-n // ROWS)
-    last = n - 1
-    return (min(block, last), min(block + stride, last), min(block + 2 * stride, last),
-            min(block + 3 * stride, last), min(block + 4 * stride, last),
-            min(block + 5 * stride, last), min(block + 6 * stride, last),
-            min(block + 7 * stride, last)), stride
-
-
 @njit(fastmath=_FASTMATH, cache=True)
-def _sliced(x, w, y, block):
-    """_gemv_block's contract for a block of rows far apart: one row from each of ROWS slices
-    of w (`_slice_rows`), so a pass over the block's rows reads ROWS sequential streams at once,
-    each in its own part of memory; the rows stay in L1 while every activation row is multiplied
-    by them. A core's hardware prefetcher follows a stream only within a 4 KiB page, and one
-    stream of contiguous rows leaves reads idle at each page crossing; 8 streams in different
-    pages keep more reads in flight (see SLICED_MAX_ROWS for what it gains)."""
+def _eight_rows(x, w, y, first, step):
+    """Output rows first + i * step (i < ROWS; those past the last row are dropped) of
+    y (B, N) = x (B, K) @ w (N, K)^T: the 8 weight rows come from memory once and stay in L1 for
+    the rest of the batch."""
     n, k = w.shape
-    first = np.int64(block)  # prange's index may be unsigned: int64 + uint64 would be a float
-    rows, stride = _slice_rows(first, n)
-    r0, r1, r2, r3, r4, r5, r6, r7 = rows
+    last = n - 1  # a row past it reads the last row again: summed, then dropped
+    r0, r1, r2, r3 = min(first, last), min(first + step, last), min(first + 2 * step, last), \
+        min(first + 3 * step, last)
+    r4, r5, r6, r7 = min(first + 4 * step, last), min(first + 5 * step, last), \
+        min(first + 6 * step, last), min(first + 7 * step, last)
     for b in range(x.shape[0]):
         a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = np.float32(0.0)  # one per output row
         for c in range(k):  # fastmath: LLVM vectorizes the eight dot products along c
@@ -151,44 +137,25 @@ def _sliced(x, w, y, block):
             a7 += _widen(w[r7, c]) * xc
         sums = (a0, a1, a2, a3, a4, a5, a6, a7)
         for i in range(ROWS):
-            row = first + i * stride
-            if row < n:
-                y[b, row] = sums[i]
+            if first + i * step < n:
+                y[b, first + i * step] = sums[i]
+
+
+# prange's index may be unsigned, and int64 + uint64 is a float in numba: blocks go in as int64
+@njit(inline="always", cache=True)
+def _sliced(x, w, y, block):
+    """_gemv_block's contract for a block of rows far apart: row `block` of each of ROWS slices
+    of ceil(N / ROWS) rows, so a pass over the block's rows reads ROWS sequential streams at once,
+    each in its own part of memory. A core's hardware prefetcher follows a stream only within a
+    4 KiB page, and one stream of contiguous rows leaves reads idle at each page crossing; 8
+    streams in different pages keep more reads in flight (SLICED_MAX_ROWS: what it gains)."""
+    _eight_rows(x, w, y, np.int64(block), -(-w.shape[0] // ROWS))
 
 
 def _gemv_block(x, w, y, block):
-    """Output rows block*ROWS .. +ROWS (fewer at the end) of y (B, N) = x (B, K) @ w (N, K)^T;
-    the block's weights come from memory once and stay in L1 for the rest of the batch."""
-    n, k = w.shape
-    r = block * ROWS
-    if r + ROWS > n:  # the last rows, when N is not a multiple of ROWS: one at a time
-        for row in range(r, n):
-            for b in range(x.shape[0]):
-                total = np.float32(0.0)
-                for c in range(k):
-                    total += _widen(w[row, c]) * x[b, c]
-                y[b, row] = total
-        return
-    for b in range(x.shape[0]):
-        a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = np.float32(0.0)  # one per output row
-        for c in range(k):  # fastmath: LLVM vectorizes the eight dot products along c
-            xc = x[b, c]
-            a0 += _widen(w[r, c]) * xc
-            a1 += _widen(w[r + 1, c]) * xc
-            a2 += _widen(w[r + 2, c]) * xc
-            a3 += _widen(w[r + 3, c]) * xc
-            a4 += _widen(w[r + 4, c]) * xc
-            a5 += _widen(w[r + 5, c]) * xc
-            a6 += _widen(w[r + 6, c]) * xc
-            a7 += _widen(w[r + 7, c]) * xc
-        y[b, r] = a0
-        y[b, r + 1] = a1
-        y[b, r + 2] = a2
-        y[b, r + 3] = a3
-        y[b, r + 4] = a4
-        y[b, r + 5] = a5
-        y[b, r + 6] = a6
-        y[b, r + 7] = a7
+    """Output rows block*ROWS .. +ROWS (fewer at the end) of y (B, N) = x (B, K) @ w (N, K)^T:
+    eight contiguous weight rows, each read from memory once for the whole batch."""
+    _eight_rows(x, w, y, np.int64(block) * ROWS, 1)
 
 
 # numba's disk cache watches only the file that defines a function: the linear kernels inline
