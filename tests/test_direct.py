@@ -164,8 +164,17 @@ def test_resolved_keeps_a_version_per_layout():
     # flags C, Fortran, neither, both (base[:1, :1]: compiled as C): three compiled versions
     assert len(resolved.entries) == 4
     assert len({id(entry) for entry in resolved.entries.values()}) == 3
-    assert resolved.entries[True, True] is resolved.entries[True, False]
+    layouts = {rows.flags.num & cpu_direct.TYPED_FLAGS: rows for rows in views}
+    both, c_only = (next(key for key, rows in layouts.items() if rows.flags.c_contiguous
+                         and rows.flags.f_contiguous == fortran) for fortran in (True, False))
+    assert resolved.entries[both] is resolved.entries[c_only]
     assert all(entry is not kernel for entry in resolved.entries.values())
+    read_only = base.copy()
+    read_only.flags.writeable = False  # numba types it apart: a version of its own
+    out = np.zeros(4, np.float32)
+    resolved(read_only, out)
+    np.testing.assert_array_equal(out, base.sum(axis=(1, 2)))
+    assert len(resolved.entries) == 5
 
 
 def _pair_sums(k_rows, v_rows, out):
@@ -196,8 +205,45 @@ def test_resolved_keys_on_the_layout_of_every_rows_argument():
     assert len(resolved.entries) == 2
 
 
-def test_direct_rows_must_be_float32():
+def test_direct_rows_must_be_float32_of_the_step_shape():
+    import numpy as np
+
     with pytest.raises(TypeError, match="float32 rows"):
-        cpu_direct._float32_rows(torch.zeros(1, 2, 4, dtype=torch.float64).numpy())
+        cpu_direct._checked((1, 2, 4), torch.zeros(1, 2, 4, dtype=torch.float64).numpy())
     with pytest.raises(TypeError, match="float32 rows"):
-        cpu_direct._float32_rows(torch.zeros(2, 4).numpy())
+        cpu_direct._checked((1, 2, 4), torch.zeros(2, 4).numpy())
+    with pytest.raises(TypeError, match="float32 rows"):
+        cpu_direct._checked((1, 2, 4), torch.zeros(1, 2, 4).numpy(), torch.zeros(2, 2, 4).numpy())
+    with pytest.raises(TypeError, match="float32 rows"):  # big-endian float32
+        cpu_direct._checked((1, 2, 4), np.zeros((1, 2, 4), ">f4"))
+    described = np.dtype(np.float32, metadata={"from": "a test"})  # float32, another descriptor
+    rows = np.arange(8, dtype=described).reshape(1, 2, 4)
+    checked, = cpu_direct._checked((1, 2, 4), rows)
+    assert checked.dtype is np.dtype(np.float32)
+    np.testing.assert_array_equal(checked, rows)
+
+
+def test_direct_calls_refuse_rows_the_step_did_not_bind(one_thread):
+    """A step binds its outputs and arguments to its N queries: rows of another count, head
+    count or dtype are refused before a kernel reads (or writes) past them."""
+    from tests.pools import make_pool
+    from tinykv.kernels.cpu import CpuKernels
+
+    H, R, BS, D = 2, 2, 16, 32
+    gen = torch.Generator().manual_seed(0)
+    k, v = make_pool("int8", H, BS, D, gen), make_pool("fp16", H, BS, D, gen)
+    zero, one = torch.zeros(1, dtype=torch.long), torch.ones(1, dtype=torch.int32)
+    table = torch.zeros(1, 1, dtype=torch.int32)
+    direct = CpuKernels().direct(zero, zero, table, one, zero, zero, [(k, v)], H * R, D,
+                                 D**-0.5, lambda n: None)
+    rows = torch.randn(1, H, D).numpy()  # (N, H, D)
+    direct.store(0, rows, rows)
+    o = direct.attend(0, torch.randn(1, H * R, D).numpy())
+    assert o.shape == (1, H * R, D)
+    bad_rows = [torch.randn(2, H, D).numpy(), torch.randn(1, H + 1, D).numpy(),
+                torch.randn(1, H, D, dtype=torch.float64).numpy()]
+    for bad in bad_rows:
+        with pytest.raises(TypeError, match="float32 rows of shape"):
+            direct.store(0, rows, bad)
+    with pytest.raises(TypeError, match="float32 rows of shape"):
+        direct.attend(0, torch.randn(2, H * R, D).numpy())

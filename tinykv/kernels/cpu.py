@@ -155,7 +155,7 @@ class CpuKernels:
         if sm_scale != self._scale[0]:
             self._scale = (sm_scale, np.float32(sm_scale))
         return DirectLayers(step, as_index(blk, np.int64), as_index(off, np.int64),
-                            self._layers[2], self._scale[1], count_saturated)
+                            self._layers[2], self._scale[1], count_saturated, Hq, D)
 
     def _call(self, k: PoolLayer, v: PoolLayer, Hq: int, D: int) -> tuple | None:
         """(serial, parallel, K arrays, V arrays, H, BS) for a pair of pools (kept while they

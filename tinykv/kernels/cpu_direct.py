@@ -15,26 +15,32 @@ import numpy as np
 from .cpu_store import compiled_store_pair, store_args
 from .layout import PoolLayer, empty_rows
 
+_FLOAT32 = np.dtype(np.float32)  # numpy's one float32 descriptor, told by `is`: no comparison call
+# The array flags numba's type of an array depends on (C_CONTIGUOUS, F_CONTIGUOUS, ALIGNED,
+# WRITEABLE, numpy's NPY_ARRAY_* bits): a compiled version is kept per combination of them.
+TYPED_FLAGS = 0x1 | 0x2 | 0x100 | 0x400
+
 
 class Resolved:
     """A compiled kernel called with arguments of the same types every time: the first call goes
     through numba's dispatcher, later ones straight to the compiled version it chose. The
-    dispatcher types every argument of every call (a dozen arrays and tuples here: 1-2 us of a
-    direct attention call's 4-6, bench kernel --cpu), and a direct layer's calls take the same
+    dispatcher types every argument of every call (a dozen arrays and tuples here: bench kernel
+    --cpu's dispatch_us against direct_attend_us), and a direct layer's calls take the same
     pools, step arrays and output arrays every step. Only the rows (the arguments at positions
-    `rows_at`, float32 of rank 3: _float32_rows) change between steps, and with them maybe their
-    layout (a view of one token is contiguous, of several may not be): a version is kept per
-    layout of them all."""
+    `rows_at`, float32 of rank 3: DirectLayers checks them) change between steps, and with them
+    maybe how numba types them (a view of one token is contiguous, of several may not be): a
+    version is kept per `layout` key of them all."""
 
     def __init__(self, dispatcher: Callable, *rows_at: int):
         self.dispatcher, self.rows_at = dispatcher, rows_at
-        self.entries: dict[tuple[bool, ...], Callable] = {}  # (C, Fortran) flags of each rows
+        self.entries: dict[int, Callable] = {}  # layout -> the compiled version for it
 
     def __call__(self, *args):
-        layout = ()
-        for at in self.rows_at:
-            flags = args[at].flags
-            layout += (flags.c_contiguous, flags.f_contiguous)
+        """The kernel on `args`, resolving the version for their rows' layout on its first call
+        (DirectLayers looks `entries` up itself, and comes here only then)."""
+        layout = 0
+        for i, at in enumerate(self.rows_at):
+            layout |= (args[at].flags.num & TYPED_FLAGS) << (16 * i)
         entry = self.entries.get(layout)
         if entry is not None:
             return entry(*args)
@@ -60,16 +66,28 @@ class LayerCalls(NamedTuple):
 
 
 class DirectLayers:
-    """One decode step's store and attention, a layer at a time, in numpy (CpuKernels.direct)."""
+    """One decode step's store and attention, a layer at a time, in numpy (CpuKernels.direct).
+    Everything but the rows is bound when the step begins (each layer's arguments, the outputs),
+    so a call checks the rows, finds its compiled version and calls it: in a decode step every
+    line here runs with cold caches, between two layers' weight reads (bench kernel --cpu's cold
+    fixed costs)."""
 
     def __init__(self, step, blk: np.ndarray, off: np.ndarray, layers: list[LayerCalls],
-                 sm_scale: np.float32, count_saturated: Callable[[int], None]):
+                 sm_scale: np.float32, count_saturated: Callable[[int], None], Hq: int, D: int):
         """step: the step's metadata as numpy (cpu._Step); blk, off (N,): every token's slot."""
-        self.step, self.blk, self.off, self.layers = step, blk, off, layers
-        self.sm_scale, self.count_saturated = sm_scale, count_saturated
-        # every layer's outputs in the same arrays, made on the first call: an np.empty between
-        # two layers' weight reads would run with cold caches, as every op there does
-        self.out: tuple[np.ndarray, np.ndarray] | None = None  # o (1, N, Hq, D), lse (1, N, Hq)
+        self.layers, self.count_saturated = layers, count_saturated
+        N = step.n_queries
+        H = layers[0].kv_heads if layers else 0
+        self.q_shape, self.kv_shape = (N, Hq, D), (N, H, D)
+        self.items = N * H  # (query, KV head) work items of a layer's attention
+        # every layer's outputs in the same arrays: an np.empty between two layers' weight reads
+        # would run with cold caches, as every op there does
+        self.out = (empty_rows((1, N, Hq, D)), empty_rows((1, N, Hq)))  # o, lse
+        self.attend_args = [(step.q_seq, step.q_pos, step.table, step.ctx_lens, calls.k_arrays,
+                             calls.v_arrays, H, calls.block_size, sm_scale, *self.out)
+                            for calls in layers]
+        self.store_args = [(blk, off, *calls.store_args) for calls in layers]
+        assert all(calls.kv_heads == H for calls in layers), "every layer has H KV heads"
 
     def __call__(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
         """Store k, v (N, H, D) float32 of `layer`, then attend q (N, Hq, D) -> o (N, Hq, D)."""
@@ -77,28 +95,27 @@ class DirectLayers:
         return self.attend(layer, q)
 
     def store(self, layer: int, k: np.ndarray, v: np.ndarray) -> None:
-        """CpuKernels.store of k, then of v (N, H, D), without the conversions."""
-        calls = self.layers[layer]
-        _float32_rows(k)
-        _float32_rows(v)
-        n_sat = calls.store(k, v, self.blk, self.off, *calls.store_args)
+        """CpuKernels.store of k, then of v (N, H, D) float32, without the conversions."""
+        if k.dtype is not _FLOAT32 or v.dtype is not _FLOAT32 or k.shape != self.kv_shape \
+                or v.shape != self.kv_shape:
+            k, v = _checked(self.kv_shape, k, v)
+        calls = self.layers[layer].store
+        layout = k.flags.num & TYPED_FLAGS | (v.flags.num & TYPED_FLAGS) << 16
+        n_sat = calls.entries.get(layout, calls)(k, v, *self.store_args[layer])
         if n_sat:
             self.count_saturated(n_sat)
 
     def attend(self, layer: int, q: np.ndarray) -> np.ndarray:
-        """CpuKernels.attend of q (N, Hq, D) on one thread, without the conversions. The output
-        is overwritten by the next call: read it before attending another layer."""
-        calls, step = self.layers[layer], self.step
-        N, Hq, D = q.shape
-        if self.out is None or self.out[0].shape != (1, N, Hq, D):
-            self.out = (empty_rows((1, N, Hq, D)), empty_rows((1, N, Hq)))
-        o, lse = self.out
-        H = calls.kv_heads
-        _float32_rows(q)
-        calls.attend(0, N * H, np.ascontiguousarray(q), step.q_seq, step.q_pos, step.table,
-                     step.ctx_lens, calls.k_arrays, calls.v_arrays, H, calls.block_size,
-                     self.sm_scale, o, lse)
-        return o[0]  # (N, Hq, D)
+        """CpuKernels.attend of q (N, Hq, D) float32 on one thread, without the conversions. The
+        output is overwritten by the next call: read it before attending another layer."""
+        if q.dtype is not _FLOAT32 or q.shape != self.q_shape:
+            q, = _checked(self.q_shape, q)
+        if not q.flags.c_contiguous:  # the kernel reads q at flat offsets
+            q = np.ascontiguousarray(q)
+        calls = self.layers[layer].attend
+        calls.entries.get(q.flags.num & TYPED_FLAGS, calls)(0, self.items, q,
+                                                             *self.attend_args[layer])
+        return self.out[0][0]  # (N, Hq, D)
 
 
 def layer_calls(layers: list[tuple[PoolLayer, PoolLayer]],
@@ -124,8 +141,10 @@ def layer_calls(layers: list[tuple[PoolLayer, PoolLayer]],
     return calls
 
 
-def _float32_rows(rows: np.ndarray) -> None:
-    """What Resolved's callers promise: (N, heads, D) float32 rows, as the layers make them."""
-    if rows.dtype != np.float32 or rows.ndim != 3:
-        raise TypeError(f"the direct path takes (N, heads, D) float32 rows, got {rows.dtype} "
-                        f"of shape {rows.shape}")
+def _checked(shape: tuple, *rows: np.ndarray) -> tuple:
+    """The rows as the direct calls take them: float32 of `shape` (another float32 descriptor,
+    say one with metadata, is copied to numpy's own); anything else is a TypeError."""
+    if not all(r.dtype == _FLOAT32 and r.shape == shape for r in rows):
+        got = ", ".join(f"{r.dtype} of shape {r.shape}" for r in rows)
+        raise TypeError(f"the direct path takes float32 rows of shape {shape}, got {got}")
+    return tuple(r if r.dtype is _FLOAT32 else r.astype(_FLOAT32) for r in rows)
