@@ -109,6 +109,23 @@ def test_nan_logits_are_an_error():
         eng.step()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_logits_are_finite_only_when_every_one_is(dtype):
+    from tinykv.generate import _finite
+
+    big = torch.finfo(dtype).max
+    logits = torch.randn(2, 50).to(dtype)
+    assert _finite(logits)
+    assert _finite(torch.full((2, 50), big, dtype=dtype))  # finite, but their sum overflows
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        spoilt = logits.clone()
+        spoilt[1, 7] = bad
+        assert not _finite(spoilt)
+    spoilt = logits.clone()
+    spoilt[0, 0], spoilt[1, 1] = float("inf"), -float("inf")  # a NaN sum
+    assert not _finite(spoilt)
+
+
 def test_saturation_warning_past_its_threshold():
     cfg = Config(vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=32)
     spec = KVSpec.parse("fp16")

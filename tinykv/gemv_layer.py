@@ -242,13 +242,13 @@ def layers_cpu(model, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tens
     qk = empty_rows((rows, Hq + cfg.n_kv_heads, cfg.head_dim))  # q|k heads
     v = empty_rows((rows, cfg.n_kv_heads, cfg.head_dim))
     outs = (empty_rows(x_rows.shape), empty_rows(x_rows.shape))  # (N, dim) each
+    q_heads, k_heads = qk[:, :Hq], qk[:, Hq:]  # views, made once: (N, Hq, hd), (N, n_kv, hd)
     for layer, (((norm1, w_qkv, b_qkv), eps1, _), (finish, eps2, _)) in enumerate(layers):
         w_o, b_o, norm2, w_in, b_in, w_out, b_out = finish
         _project_serial(x_rows, norm1, eps1, w_qkv, b_qkv, tables[0], tables[1], qk, v)
-        o = attend(layer, qk[:, :Hq], qk[:, Hq:], v)  # (N, Hq, hd)
+        o = attend(layer, q_heads, k_heads, v)  # (N, Hq * hd)
         out = outs[layer % 2]
-        _finish_serial(o.reshape(rows, -1), x_rows, w_o, b_o, norm2, eps2, w_in, b_in, w_out,
-                       b_out, out)
+        _finish_serial(o, x_rows, w_o, b_o, norm2, eps2, w_in, b_in, w_out, b_out, out)
         x_rows = out
     return torch.from_numpy(x_rows)
 

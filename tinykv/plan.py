@@ -49,7 +49,7 @@ class Plan:
         return transform.output(o)
 
     def direct(self) -> Callable | None:
-        """`attend` in numpy, `(layer, q, k, v) -> o`, as the kernels' direct calls
+        """`attend` in numpy, `(layer, q, k, v) -> o (N, Hq * D)`, as the kernels' direct calls
         (kernels.cpu_direct) where the step asks nothing else of the cache: every token
         written to the store pool, no hot blocks, offloaded chunks, eviction scores or
         transforms; None otherwise (then `attend`)."""

@@ -83,6 +83,7 @@ class DirectLayers:
         # every layer's outputs in the same arrays: an np.empty between two layers' weight reads
         # would run with cold caches, as every op there does
         self.out = (empty_rows((1, N, Hq, D)), empty_rows((1, N, Hq)))  # o, lse
+        self.o_rows = self.out[0].reshape(N, Hq * D)  # a view: o as the next product reads it
         self.attend_args = [(step.q_seq, step.q_pos, step.table, step.ctx_lens, calls.k_arrays,
                              calls.v_arrays, H, calls.block_size, sm_scale, *self.out)
                             for calls in layers]
@@ -90,9 +91,11 @@ class DirectLayers:
         assert all(calls.kv_heads == H for calls in layers), "every layer has H KV heads"
 
     def __call__(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
-        """Store k, v (N, H, D) float32 of `layer`, then attend q (N, Hq, D) -> o (N, Hq, D)."""
+        """Store k, v (N, H, D) float32 of `layer`, then attend q (N, Hq, D) -> o (N, Hq * D),
+        the same array every call (overwritten by the next)."""
         self.store(layer, k, v)
-        return self.attend(layer, q)
+        self.attend(layer, q)
+        return self.o_rows
 
     def store(self, layer: int, k: np.ndarray, v: np.ndarray) -> None:
         """CpuKernels.store of k, then of v (N, H, D) float32, without the conversions."""
