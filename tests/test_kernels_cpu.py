@@ -379,3 +379,36 @@ def test_quantize_store_checks_layouts():
                            blk, off)
     assert quantize_store_cpu(x[:0], p, data, scale, zero, blk[:0], off[:0]) == 0
 
+
+
+def test_use_threads_sets_numba_only_when_its_count_changes(monkeypatch):
+    """use_threads skips numba.set_num_threads where it already gave numba that count in this
+    Python thread; a change, or another Python thread (numba counts per thread), sets it."""
+    import threading
+
+    import numba
+
+    from tinykv.kernels import cpu_numerics
+    from tinykv.kernels.cpu_numerics import use_threads
+
+    monkeypatch.setattr(cpu_numerics, "_GIVEN", threading.local())  # what earlier tests set
+    calls, real = [], numba.set_num_threads
+    monkeypatch.setattr(numba, "set_num_threads", lambda n: calls.append(n) or real(n))
+    most = min(2, numba.config.NUMBA_NUM_THREADS)
+    before = numba.get_num_threads()
+    try:
+        use_threads(1)
+        use_threads(1)
+        assert numba.get_num_threads() == 1
+        use_threads(most)
+        use_threads(most)
+        assert numba.get_num_threads() == most
+        other = []
+        worker = threading.Thread(target=lambda: (use_threads(most),
+                                                  other.append(numba.get_num_threads())))
+        worker.start()
+        worker.join()
+        assert other == [most]
+        assert calls[:2] == [1, most] and len(calls) == 3  # the third: the other thread's
+    finally:
+        use_threads(before)

@@ -38,7 +38,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .gemv_tiles import tiles_block
-from .kernels.cpu_numerics import kernel
+from .kernels.cpu_numerics import kernel, use_threads
 from .kernels.cpu_simd import HAS_F16C, WIDE_VECTORS
 from .kernels.layout import empty_rows
 
@@ -266,7 +266,7 @@ def _run_linear(x, norm_weight, eps, w, bias, residual, swiglu, out) -> None:
     """The fused kernel on torch's number of threads."""
     threads = _threads()
     if threads > 1:
-        numba.set_num_threads(threads)
+        use_threads(threads)
         _linear_parallel(x, norm_weight, eps, w, bias, residual, swiglu, out)
     else:
         _linear_serial(x, norm_weight, eps, w, bias, residual, swiglu, out)

@@ -28,7 +28,8 @@ import torch
 import torch.nn as nn
 
 from . import gemv
-from .gemv import AVAILABLE, ROWS, SMALL_BATCH, TILE_BATCH, njit, numba, prange
+from .gemv import AVAILABLE, ROWS, SMALL_BATCH, TILE_BATCH, njit, prange
+from .kernels.cpu_numerics import use_threads
 from .kernels.layout import empty_rows
 
 # numba's disk cache watches only the file that defines a function: these kernels inline gemv.py
@@ -192,7 +193,7 @@ def project_cpu(attn, x: torch.Tensor, norm: nn.Module, cos: torch.Tensor | None
     out_v = empty_rows((rows, cfg.n_kv_heads, cfg.head_dim))
     threads = gemv._threads()
     if threads > 1:
-        numba.set_num_threads(threads)
+        use_threads(threads)
     run = _project_parallel if threads > 1 else _project_serial
     run(x.numpy(), norm_weight, eps, w, bias, tables[0], tables[1], out_qk, out_v)
     return torch.from_numpy(out_qk), torch.from_numpy(out_v)
@@ -212,7 +213,7 @@ def finish_cpu(block, o: torch.Tensor, x: torch.Tensor, *, cache: dict,
     out = empty_rows((x.shape[0], x.shape[1]))  # (N, dim)
     threads = gemv._threads()
     if threads > 1:
-        numba.set_num_threads(threads)
+        use_threads(threads)
     run = _finish_parallel if threads > 1 else _finish_serial
     run(o.numpy(), x.numpy(), w_o, b_o, norm_weight, eps, w_in, b_in, w_out, b_out, out)
     return torch.from_numpy(out)

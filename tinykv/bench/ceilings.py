@@ -21,7 +21,9 @@ def set_threads(n: int) -> None:
     if importlib.util.find_spec("numba"):
         import numba
 
-        numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+        from ..kernels.cpu_numerics import use_threads
+
+        use_threads(min(n, numba.config.NUMBA_NUM_THREADS))
     torch.set_num_threads(n)
 
 

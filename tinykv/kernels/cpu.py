@@ -28,7 +28,7 @@ import torch
 from ..spec import QuantParams
 from .cpu_args import PoolArrays, as_index, pool_arrays, readable
 from .cpu_direct import DirectLayers, layer_calls
-from .cpu_numerics import AVAILABLE, REASON, njit, numba
+from .cpu_numerics import AVAILABLE, REASON, njit, numba, use_threads
 from .cpu_plain import attention_kernel
 from .cpu_store import quantize_store_cpu, store_args, store_rows  # noqa: F401 (the store)
 from .cpu_vector import HEAD_BY_HEAD, takes, vector_kernel
@@ -247,7 +247,7 @@ def _follow_torch_threads(wanted: int) -> int:
     numba.get_num_threads()  # the first call starts numba's pool, and with the OpenMP layer
     if torch.get_num_threads() != wanted:  # that resets the count torch shares: restore it
         torch.set_num_threads(wanted)
-    numba.set_num_threads(min(wanted, numba.config.NUMBA_NUM_THREADS))
+    use_threads(min(wanted, numba.config.NUMBA_NUM_THREADS))
     return wanted
 
 

@@ -9,6 +9,7 @@ reference writes, and the attention kernel reads them back as the reference does
 from __future__ import annotations
 
 import hashlib
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +34,20 @@ except ImportError as err:  # the caller falls back to the torch references
 
     def njit(*_args, **_kw):
         return intrinsic
+
+_GIVEN = threading.local()  # the thread count use_threads last gave numba, per Python thread
+
+
+def use_threads(n: int) -> None:
+    """numba.set_num_threads(n), skipped where tinykv already set n in this Python thread (numba
+    keeps its count per thread). A decode step asks before each parallel kernel, and a call costs
+    about what a small kernel does, many times that with cold caches (bench kernel --cpu's cold
+    fixed costs). Every setting in tinykv goes through here; code outside it that sets numba's
+    count leaves this one stale, which costs speed, not correctness."""
+    if getattr(_GIVEN, "count", None) != n:
+        numba.set_num_threads(n)
+        _GIVEN.count = n
+
 
 # How a stored element (or a scale) becomes a number. Integer codes are read through the array's
 # own dtype: int8 for sym int8, uint8 for everything else (packed, asym, fp8 bits).
