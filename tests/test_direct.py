@@ -39,13 +39,16 @@ def model(seed: int = 0, n_heads: int = 4, n_kv_heads: int = 2, head_dim: int = 
     return m
 
 
-def decode(m: Transformer, spec: str, layers, steps: int = 6, seqs: int = 2
-           ) -> tuple[list, int]:
+def decode(m: Transformer, spec: str, layers, steps: int = 6, seqs: int = 2,
+           threads_min_reads: int | None = None) -> tuple[list, int]:
     """Two sequences (or the first): a prompt each in chunks of 20 and 13 tokens, then `steps`
     decode steps of both together, through `layers` as the model's layer function; (logits of
-    every step, values the cache counted as clipped)."""
+    every step, values the cache counted as clipped). threads_min_reads: the CPU kernels' (0:
+    attention shares every call among the threads)."""
     m.layers_fn = layers
     cache = make_cache(m.cfg, KVSpec.parse(spec), blocks=64, block_size=16, max_seqs=2)
+    if threads_min_reads is not None:
+        cache.kernels.direct.__self__.threads_min_reads = threads_min_reads
     gen = torch.Generator().manual_seed(1)
     prompts = {0: torch.randint(0, 128, (20,), generator=gen).tolist(),
                1: torch.randint(0, 128, (13,), generator=gen).tolist()}
@@ -122,18 +125,29 @@ def test_caches_that_need_more_go_layer_by_layer(spec, one_thread, monkeypatch):
         assert torch.equal(g, w)
 
 
-def test_two_threads_go_layer_by_layer(monkeypatch):
-    """The direct calls run on one thread: with more, the per-layer path and its parallel
-    kernels."""
+@pytest.mark.parametrize("threads_min_reads", [None, 0], ids=["default", "shared"])
+@pytest.mark.parametrize("shape", [(4, 2), (8, 1)], ids=["gqa", "mqa"])
+@pytest.mark.parametrize("seqs", [1, 2])
+def test_two_threads_take_the_direct_calls(threads_min_reads, shape, seqs, monkeypatch):
+    """With two threads the direct calls share each layer's products and attention among them
+    as the per-layer path does: the same logits bit for bit. Shared (threads_min_reads 0): one
+    sequence over one KV head has one work item, so each query's blocks split in two, merged
+    by log-sum-exp; GQA's two KV heads (and two sequences) share evenly, unsplit."""
+    n_heads, n_kv_heads = shape
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
+        m = model(n_heads=n_heads, n_kv_heads=n_kv_heads)
+        want, _ = decode(m, "int8", run_layers, steps=3, seqs=seqs,
+                         threads_min_reads=threads_min_reads)
         calls = counted(monkeypatch)
-        decode(model(), "int8", gemv_layer.select_kernels("cpu", REFERENCES)["layers"],
-            steps=2)
+        got, _ = decode(m, "int8", gemv_layer.select_kernels("cpu", REFERENCES)["layers"],
+                        steps=3, seqs=seqs, threads_min_reads=threads_min_reads)
     finally:
         torch.set_num_threads(before)
-    assert calls == []
+    assert calls == [0, 1] * 3
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
 
 
 def _sums(rows, out):

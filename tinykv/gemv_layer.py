@@ -221,14 +221,14 @@ def finish_cpu(block, o: torch.Tensor, x: torch.Tensor, *, cache: dict,
 
 def layers_cpu(model, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
                plan, *, cache: dict, reference: Callable) -> torch.Tensor:
-    """model.run_layers' contract for a decode step on one thread, with numpy between the
-    compiled calls: each layer's project, the cache's store and attention (the plan's `direct`
-    calls: kernels.cpu_direct), finish; the same kernels on the same arrays as the
+    """model.run_layers' contract for a decode step, with numpy between the compiled calls:
+    each layer's project, the cache's store and attention (the plan's `direct` calls:
+    kernels.cpu_direct), finish; the same kernels on the same arrays and threads as the
     per-layer path, with no torch op between them. `reference` for anything else: other caches
-    or steps (Plan.direct is None), several threads, rows or layers the fused calls do not take."""
+    or steps (Plan.direct is None), rows or layers the fused calls do not take."""
     cfg = model.cfg
     direct = getattr(plan, "direct", None)  # calibrate's Recorder attends in torch
-    if direct is None or gemv._threads() != 1 or not _rows(x):
+    if direct is None or not _rows(x):
         return reference(model, x, cos, sin, plan)
     tables = _rope_tables(cache, x, cos, sin, cfg.head_dim)
     layers = [_layer_arrays(cache, block, x.shape[0]) for block in model.layers] if tables \
@@ -244,12 +244,17 @@ def layers_cpu(model, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tens
     v = empty_rows((rows, cfg.n_kv_heads, cfg.head_dim))
     outs = (empty_rows(x_rows.shape), empty_rows(x_rows.shape))  # (N, dim) each
     q_heads, k_heads = qk[:, :Hq], qk[:, Hq:]  # views, made once: (N, Hq, hd), (N, n_kv, hd)
+    threads = gemv._threads()
+    project, finish_layer = _project_serial, _finish_serial
+    if threads > 1:
+        use_threads(threads)
+        project, finish_layer = _project_parallel, _finish_parallel
     for layer, (((norm1, w_qkv, b_qkv), eps1, _), (finish, eps2, _)) in enumerate(layers):
         w_o, b_o, norm2, w_in, b_in, w_out, b_out = finish
-        _project_serial(x_rows, norm1, eps1, w_qkv, b_qkv, tables[0], tables[1], qk, v)
+        project(x_rows, norm1, eps1, w_qkv, b_qkv, tables[0], tables[1], qk, v)
         o = attend(layer, q_heads, k_heads, v)  # (N, Hq * hd)
         out = outs[layer % 2]
-        _finish_serial(o, x_rows, w_o, b_o, norm2, eps2, w_in, b_in, w_out, b_out, out)
+        finish_layer(o, x_rows, w_o, b_o, norm2, eps2, w_in, b_in, w_out, b_out, out)
         x_rows = out
     return torch.from_numpy(x_rows)
 

@@ -27,7 +27,7 @@ import torch
 
 from ..spec import QuantParams
 from .cpu_args import PoolArrays, as_index, pool_arrays, readable
-from .cpu_direct import DirectLayers, layer_calls
+from .cpu_direct import DirectLayers, Resolved, layer_calls
 from .cpu_numerics import AVAILABLE, REASON, njit, numba, use_threads
 from .cpu_plain import attention_kernel
 from .cpu_store import quantize_store_cpu, store_args, store_rows  # noqa: F401 (the store)
@@ -112,12 +112,7 @@ class CpuKernels:
         if call is None:  # a format the kernels do not read in place
             return paged_attention_ref(q, q_seq, q_pos, k, v, block_table, ctx_lens, sm_scale)
         serial, parallel, k_arrays, v_arrays, H, BS = call
-        threads = self._threads()
-        if step.key_reads * H < self.threads_min_reads:  # starting the threads costs more
-            threads = 1
-        if num_splits is None:
-            num_splits = 1 if threads == 1 or (N * H) % threads == 0 or N * H >= 8 * threads \
-                else threads
+        threads, num_splits = self._share(step, H, num_splits)
         o = empty_rows((num_splits, N, Hq, D))
         lse = np.empty((num_splits, N, Hq), np.float32)
         if q.dtype is torch.float32 and q.is_contiguous():
@@ -141,11 +136,12 @@ class CpuKernels:
                layers: list[tuple[PoolLayer, PoolLayer]], Hq: int, D: int, sm_scale: float,
                count_saturated: Callable[[int], None]) -> DirectLayers | None:
         """A step's `store` (every token at blk, off) and `attend` for each layer's pools
-        (K, V), as numpy calls on one thread; None where the step needs more than one kernel
-        call a layer (prefill chunks, several threads) or a pool is not read or written in
-        place. Clipped values go to `count_saturated`, as the pools count them."""
+        (K, V), as numpy calls, the attention shared among threads as `attend` shares it; None
+        where the step needs more than one kernel call a layer (prefill chunks) or a pool is not
+        read or written in place. Clipped values go to `count_saturated`, as the pools count
+        them."""
         step = self._step(q_seq, q_pos, table, ctx_lens)
-        if step.chunked or q_seq.dim() != 1 or self._threads() != 1:
+        if step.chunked or q_seq.dim() != 1:
             return None
         if self._layers is None or self._layers[0] is not layers or self._layers[1] != (Hq, D):
             calls = layer_calls(layers, lambda k, v: self._call(k, v, Hq, D))
@@ -154,8 +150,24 @@ class CpuKernels:
             return None
         if sm_scale != self._scale[0]:
             self._scale = (sm_scale, np.float32(sm_scale))
-        return DirectLayers(step, as_index(blk, np.int64), as_index(off, np.int64),
-                            self._layers[2], self._scale[1], count_saturated, Hq, D)
+        calls = self._layers[2]
+        share = self._share(step, calls[0].kv_heads) if calls else (1, 1)
+        return DirectLayers(step, as_index(blk, np.int64), as_index(off, np.int64), calls,
+                            self._scale[1], count_saturated, Hq, D, share, _MERGE)
+
+    def _share(self, step: _Step, H: int, num_splits: int | None = None) -> tuple[int, int]:
+        """(threads, shares of each query's blocks) for attention over the step's queries and H
+        KV heads: one thread under threads_min_reads (key, KV head) reads; else torch's count,
+        and with too few (query, KV head) items to share evenly, each query's blocks split
+        among the threads (merged by log-sum-exp), unless num_splits says how many."""
+        threads = self._threads()
+        if step.key_reads * H < self.threads_min_reads:  # starting the threads costs more
+            threads = 1
+        items = step.n_queries * H
+        if num_splits is None:
+            num_splits = 1 if threads == 1 or items % threads == 0 or items >= 8 * threads \
+                else threads
+        return threads, num_splits
 
     def _call(self, k: PoolLayer, v: PoolLayer, Hq: int, D: int) -> tuple | None:
         """(serial, parallel, K arrays, V arrays, H, BS) for a pair of pools (kept while they
@@ -273,6 +285,10 @@ def _merge_splits(o, lse):
                     x += np.exp(lse[s, n, hq] - top) / total * o[s, n, hq, d]
                 o[0, n, hq, d] = x
             lse[0, n, hq] = top + np.log(total)
+
+
+# the direct calls' merge: its arguments are always the same types (DirectLayers' outputs)
+_MERGE = Resolved(_merge_splits)
 
 
 def merge_partials_cpu(parts: list[Partial]) -> Partial:

@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .cpu_numerics import use_threads
 from .cpu_store import compiled_store_pair, store_args
 from .layout import PoolLayer, empty_rows
 
@@ -58,7 +59,8 @@ class LayerCalls(NamedTuple):
     store: Resolved  # cpu_store.compiled_store_pair: K and V in one call (the rows at 0 and 1)
     store_args: tuple  # its arguments after blk and off: each pool's (format, arrays, limits,
     # dynamic), K's then V's, and the block size (cpu_store.StoreArgs)
-    attend: Resolved  # the serial attention kernel of this pair of formats
+    attend: Resolved  # the serial attention kernel of this pair of formats (q at 2)
+    attend_parallel: Resolved  # and the parallel one (q at 1)
     k_arrays: tuple  # cpu_args.PoolArrays of K, then V
     v_arrays: tuple
     kv_heads: int
@@ -73,17 +75,22 @@ class DirectLayers:
     fixed costs)."""
 
     def __init__(self, step, blk: np.ndarray, off: np.ndarray, layers: list[LayerCalls],
-                 sm_scale: np.float32, count_saturated: Callable[[int], None], Hq: int, D: int):
-        """step: the step's metadata as numpy (cpu._Step); blk, off (N,): every token's slot."""
+                 sm_scale: np.float32, count_saturated: Callable[[int], None], Hq: int, D: int,
+                 share: tuple[int, int], merge: Callable):
+        """step: the step's metadata as numpy (cpu._Step); blk, off (N,): every token's slot;
+        share: (threads, splits of each query's blocks) of the attention (CpuKernels._share);
+        merge: cpu._merge_splits, which folds the splits into the first."""
         self.layers, self.count_saturated = layers, count_saturated
         N = step.n_queries
         H = layers[0].kv_heads if layers else 0
         self.q_shape, self.kv_shape = (N, Hq, D), (N, H, D)
-        self.items = N * H  # (query, KV head) work items of a layer's attention
+        self.threads, splits = share
+        self.merge = merge if splits > 1 else None
+        self.items = splits * N * H  # work items of a layer's attention: (split, query, KV head)
         # every layer's outputs in the same arrays: an np.empty between two layers' weight reads
         # would run with cold caches, as every op there does
-        self.out = (empty_rows((1, N, Hq, D)), empty_rows((1, N, Hq)))  # o, lse
-        self.o_rows = self.out[0].reshape(N, Hq * D)  # a view: o as the next product reads it
+        self.out = (empty_rows((splits, N, Hq, D)), empty_rows((splits, N, Hq)))  # o, lse
+        self.o_rows = self.out[0][0].reshape(N, Hq * D)  # a view: o as the next product reads it
         self.attend_args = [(step.q_seq, step.q_pos, step.table, step.ctx_lens, calls.k_arrays,
                              calls.v_arrays, H, calls.block_size, sm_scale, *self.out)
                             for calls in layers]
@@ -109,15 +116,22 @@ class DirectLayers:
             self.count_saturated(n_sat)
 
     def attend(self, layer: int, q: np.ndarray) -> np.ndarray:
-        """CpuKernels.attend of q (N, Hq, D) float32 on one thread, without the conversions. The
-        output is overwritten by the next call: read it before attending another layer."""
+        """CpuKernels.attend of q (N, Hq, D) float32, without the conversions. The output is
+        overwritten by the next call: read it before attending another layer."""
         if q.dtype is not _FLOAT32 or q.shape != self.q_shape:
             q, = _checked(self.q_shape, q)
         if not q.flags.c_contiguous:  # the kernel reads q at flat offsets
             q = np.ascontiguousarray(q)
-        calls = self.layers[layer].attend
-        calls.entries.get(q.flags.num & TYPED_FLAGS, calls)(0, self.items, q,
-                                                             *self.attend_args[layer])
+        layout = q.flags.num & TYPED_FLAGS
+        if self.threads == 1:
+            calls = self.layers[layer].attend
+            calls.entries.get(layout, calls)(0, self.items, q, *self.attend_args[layer])
+        else:
+            use_threads(self.threads)
+            calls = self.layers[layer].attend_parallel
+            calls.entries.get(layout, calls)(self.threads, q, *self.attend_args[layer])
+            if self.merge is not None:
+                self.merge(*self.out)
         return self.out[0][0]  # (N, Hq, D)
 
 
@@ -133,14 +147,15 @@ def layer_calls(layers: list[tuple[PoolLayer, PoolLayer]],
         call = attention(k, v)
         if call is None:
             return None
-        serial, _, k_arrays, v_arrays, H, BS = call
+        serial, parallel, k_arrays, v_arrays, H, BS = call
         k_store, v_store = (store_args(pool.p, pool.data, pool.scale, pool.zero)
                             for pool in (k, v))
         assert k_store.block_size == v_store.block_size == BS, "K and V share the block table"
         pair_args = (k_store.fmt, k_store.arrays, k_store.limits, k_store.dynamic,
                      v_store.fmt, v_store.arrays, v_store.limits, v_store.dynamic, BS)
         calls.append(LayerCalls(Resolved(compiled_store_pair, 0, 1), pair_args,
-                                Resolved(serial, 2), k_arrays, v_arrays, H, BS))
+                                Resolved(serial, 2), Resolved(parallel, 1), k_arrays,
+                                v_arrays, H, BS))
     return calls
 
 
