@@ -132,6 +132,36 @@ def test_cli_writes_json_charts_and_readme(tiny, tmp_path, monkeypatch, capsys):
     assert main(["bench", "--text", str(tmp_path / "missing.txt"), "--out", str(out)]) == 1
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_profile_times_every_compiled_layer_call(tiny, threads, monkeypatch):
+    """bench profile's linear part holds every compiled call a decode step's layers make (the
+    serial or the parallel ones): each one the step calls runs inside a timer."""
+    from tinykv import gemv_layer
+    from tinykv.bench import profile as bp
+
+    if not gemv_layer.AVAILABLE:
+        pytest.skip("numba is not installed")
+    _, _, model = tiny
+    timed_calls, untimed = [], []
+
+    def spy(name, real):
+        def call(*args):
+            if getattr(gemv_layer, name) is not call:  # the profile's timers are on, around it
+                (timed_calls if "linear" in bp._RUNNING else untimed).append(name)
+            return real(*args)
+        return call
+
+    for name in gemv_layer.LAYER_CALLS:
+        monkeypatch.setattr(gemv_layer, name, spy(name, getattr(gemv_layer, name)))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        bp.profile_tinykv(model, ids(20), "int8", 2)
+    finally:
+        torch.set_num_threads(before)
+    assert untimed == [] and timed_calls
+
+
 def test_profile_splits_a_decode_step(tiny):
     """bench profile: the parts are measured (nonzero, within the step's time) and the timers come
     off again."""

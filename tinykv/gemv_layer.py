@@ -219,6 +219,11 @@ def finish_cpu(block, o: torch.Tensor, x: torch.Tensor, *, cache: dict,
     return torch.from_numpy(out)
 
 
+# The compiled calls layers_cpu makes per layer beside the cache's, by name (module globals,
+# looked up at each step, so bench profile's timers can stand in for them).
+LAYER_CALLS = ("_project_serial", "_finish_serial", "_project_parallel", "_finish_parallel")
+
+
 def layers_cpu(model, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
                plan, *, cache: dict, reference: Callable) -> torch.Tensor:
     """model.run_layers' contract for a decode step, with numpy between the compiled calls:

@@ -80,7 +80,7 @@ def time_parts(stack: ExitStack, model: Transformer, acc: Counter,
     if gemv_layer.AVAILABLE:
         from ..kernels.cpu_direct import DirectLayers
 
-        for name in ("_project_serial", "_finish_serial"):
+        for name in gemv_layer.LAYER_CALLS:
             stack.enter_context(timing(gemv_layer, name, acc, linear))
         stack.enter_context(timing(DirectLayers, "store", acc, store))
         stack.enter_context(timing(DirectLayers, "attend", acc, attend))
