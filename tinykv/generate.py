@@ -313,4 +313,3 @@ def _finite(logits: torch.Tensor) -> bool:
     reads the logits once and makes no tensor of flags (isfinite().all(): bench profile's
     `rest` of every decode step)."""
     return math.isfinite(float(logits.sum())) or bool(logits.isfinite().all())
-
