@@ -223,29 +223,3 @@ def test_more_rows_than_the_gemv_takes_go_to_the_references(dtype, rows, monkeyp
                            reference=lambda *a: refs.append("project"))
     gemv_layer.finish_cpu(block, o, x, cache={}, reference=lambda *a: refs.append("finish"))
     assert refs == ["project", "finish"]
-
-
-def test_resolved_layer_calls_follow_the_functions_and_each_layers_arrays():
-    """layers_cpu's calls through numba's chosen version (gemv_layer._resolved_calls) are kept
-    while the functions and each layer's arrays are the same objects, and made again for a layer
-    whose arrays _prepared remade (weights moved, maybe to another dtype: another version)."""
-    from tinykv.gemv_layer import _resolved_calls
-
-    def project(*args):
-        return None
-
-    def finish(*args):
-        return None
-
-    cache = {}
-    layers = [((f"p{i}",), (f"f{i}",)) for i in range(3)]  # stand-ins for _prepared's tuples
-    first = _resolved_calls(cache, [tuple(a) for a in layers], project, finish)
-    kept = [call[1:] for call in first]
-    again = _resolved_calls(cache, [tuple(a) for a in layers], project, finish)  # new outer tuples
-    assert [call[1:] for call in again] == kept
-    layers[1] = (("p1 remade",), layers[1][1])
-    moved = _resolved_calls(cache, layers, project, finish)
-    assert moved[0][1:] == kept[0] and moved[2][1:] == kept[2]
-    assert moved[1][1] is not kept[1][0] and moved[1][1].dispatcher is project
-    other = _resolved_calls(cache, layers, finish, project)  # serial -> parallel, say
-    assert all(call[1].dispatcher is finish and call[2].dispatcher is project for call in other)

@@ -29,7 +29,6 @@ import torch.nn as nn
 
 from . import gemv
 from .gemv import AVAILABLE, ROWS, SMALL_BATCH, TILE_BATCH, njit, prange
-from .kernels.cpu_direct import Resolved
 from .kernels.cpu_numerics import use_threads
 from .kernels.layout import empty_rows
 
@@ -255,35 +254,14 @@ def layers_cpu(model, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tens
     if threads > 1:
         use_threads(threads)
         project, finish_layer = _project_parallel, _finish_parallel
-    calls = _resolved_calls(cache, layers, project, finish_layer)
     for layer, (((norm1, w_qkv, b_qkv), eps1, _), (finish, eps2, _)) in enumerate(layers):
         w_o, b_o, norm2, w_in, b_in, w_out, b_out = finish
-        _, project_call, finish_call = calls[layer]
-        project_call(x_rows, norm1, eps1, w_qkv, b_qkv, tables[0], tables[1], qk, v)
+        project(x_rows, norm1, eps1, w_qkv, b_qkv, tables[0], tables[1], qk, v)
         o = attend(layer, q_heads, k_heads, v)  # (N, Hq * hd)
         out = outs[layer % 2]
-        finish_call(o, x_rows, w_o, b_o, norm2, eps2, w_in, b_in, w_out, b_out, out)
+        finish_layer(o, x_rows, w_o, b_o, norm2, eps2, w_in, b_in, w_out, b_out, out)
         x_rows = out
     return torch.from_numpy(x_rows)
-
-
-def _resolved_calls(cache: dict, layers: list, project: Callable, finish: Callable) -> list:
-    """Each layer's (its arrays, project, finish), the calls through the compiled version numba
-    chose on their first call (cpu_direct.Resolved: the dispatcher would type a dozen arguments
-    on every call, each with cold caches in a decode step). Kept while the functions (serial or
-    parallel; bench profile's timers stand in for them) and each layer's arrays (the tuple
-    _prepared keeps, remade when its weights change) stay the same: only the rows (x, and finish's
-    o) change between calls."""
-    kept = cache.get("calls")
-    if kept is None or kept[0] is not project or kept[1] is not finish \
-            or len(kept[2]) != len(layers):
-        kept = cache["calls"] = (project, finish, [None] * len(layers))
-    calls = kept[2]
-    for layer, arrays in enumerate(layers):  # arrays: (project's, finish's), made per step
-        known = calls[layer]
-        if known is None or known[0][0] is not arrays[0] or known[0][1] is not arrays[1]:
-            calls[layer] = (arrays, Resolved(project, 0), Resolved(finish, 0, 1))
-    return calls
 
 
 def _layer_arrays(cache: dict, block, rows: int) -> tuple | None:
