@@ -73,12 +73,16 @@ def _segment(v, seg, op: str):
                 builder.module, ir.FunctionType(pieces[0].type, [pieces[0].type]),
                 f"llvm.fabs.v{PIECE}f32")
             pieces = [builder.call(fabs, [p]) for p in pieces]
+        def tree(values):  # pairwise: a chain log2(len) combines deep, not len - 1
+            while len(values) > 1:
+                values = [combine(*values[i:i + 2]) if i + 1 < len(values) else values[i]
+                          for i in range(0, len(values), 2)]
+            return values[0]
+
         tops = []
         per = n // PIECE
         for first in range(0, len(pieces), per):
-            p = pieces[first]
-            for q in pieces[first + 1:first + per]:
-                p = combine(p, q)
+            p = tree(pieces[first:first + per])
             width = PIECE
             while width > 1:  # the lo half against the hi half
                 half = width // 2

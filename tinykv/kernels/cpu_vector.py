@@ -132,7 +132,7 @@ def vector_kernel(kf: PoolFormat, vf: PoolFormat, R: int, D: int, k_groups: int,
     k_gs, v_gs = D // k_groups, D // v_groups  # channels per scale
 
     @njit(forceinline=True)
-    def fold(q_base, k_scales, k_zeros, at, q_words):
+    def fold(q_base, k_scales, k_zeros, at, q_words, q_at):
         """A block's shared key scales folded into the query, rounded to int16: (q16, step per
         head, q16 . zero per head), as cpu_plain.fold_scales."""
         s = stored_order(k_scales16(k_scales, at, k_groups), k_planes, k_gs, D, k_order)
@@ -143,7 +143,8 @@ def vector_kernel(kf: PoolFormat, vf: PoolFormat, R: int, D: int, k_groups: int,
         q_fold = q_base * repeat(s, R)  # (R x D)
         step = vmax(segment_absmax(q_fold, D) * np.float32(1 / 32767), splat(1e-30, R))
         q16 = round_int16(q_fold * spread(np.float32(1.0) / step, D))
-        return key_query(q16, q_words), step, segment_sum(to_float(q16) * repeat(z, R), D)
+        bias = segment_sum(to_float(q16) * repeat(z, R), D)
+        return key_query(q16, q_words, q_at), step, bias
 
     @njit(forceinline=True)
     def block_scales(v_scales, v_zeros, at):
@@ -155,14 +156,15 @@ def vector_kernel(kf: PoolFormat, vf: PoolFormat, R: int, D: int, k_groups: int,
 
     if k_pairs:
         @njit(forceinline=True)
-        def key_query(q16, q_words):
-            """The int16 query as word_planes' dot partner, in memory: each dot reads it there
-            (an operand of the multiply-add) instead of spilling and rebuilding it per tile."""
-            store(q_words, 0, piece_copies(q16, 2))
-            return q_words
+        def key_query(q16, q_words, q_at):
+            """The int16 query as word_planes' dot partner, in memory from element q_at: each
+            dot reads it there (an operand of the multiply-add) instead of spilling and
+            rebuilding it per tile. Returns q_at, where the key reader finds it."""
+            store(q_words, q_at, piece_copies(q16, 2))
+            return q_at
     else:
         @njit(forceinline=True)
-        def key_query(q16, q_words):
+        def key_query(q16, q_words, q_at):
             return q16
 
     @njit(forceinline=True)
@@ -174,8 +176,15 @@ def vector_kernel(kf: PoolFormat, vf: PoolFormat, R: int, D: int, k_groups: int,
             step = segment_absmax(q_base, D) / Q16_MAX
             step = where_positive(step, step, splat(1.0, R))
             q16 = round_int16(q_base * spread(np.float32(1.0) / step, D))
-            return key_query(q16, q_words), q_base, segment_sum(to_float(q16), D), step
+            return key_query(q16, q_words, 0), q_base, segment_sum(to_float(q16), D), step
         return q_base, q_base, splat(0.0, R), splat(1.0, R)
+
+    @njit(forceinline=True)
+    def next_block(row, j, hi):
+        """The first index from j on (hi where none) whose block is in this pool."""
+        while j < hi and row[j] < 0:
+            j += 1
+        return j
 
     @njit(forceinline=True)
     def prefetch_block(pool, blk, h, H, BS, row, has_zero):
@@ -206,7 +215,12 @@ def vector_kernel(kf: PoolFormat, vf: PoolFormat, R: int, D: int, k_groups: int,
         store(buf, RG16, splat(0.0, RD))  # the value sums stay in memory between tiles: scoring
         bias = splat(0.0, R)  # a tile has every register, and a tile loads them once
         v_scale, v_zero = splat(1.0, D), splat(0.0, D)
-        folded = False
+        if k_shared:  # the first block's key scales folded into the query
+            first = next_block(row, lo, hi)
+            if first < hi:
+                q_all, q_step, bias = fold(q_base, k_scales, k_zeros,
+                                           row[first] * kb_stride + h * kh_stride, q_words, 0)
+        q_at = 0  # where in q_words the next fold goes: the half this block's fold does not use
         for j in range(lo, min(lo + AHEAD, hi)):  # the first blocks, before the loop asks
             if row[j] >= 0:
                 prefetch_block(k, row[j], h, H, BS, k_row, k_has_zero)
@@ -219,16 +233,23 @@ def vector_kernel(kf: PoolFormat, vf: PoolFormat, R: int, D: int, k_groups: int,
             if nxt >= 0:  # a later block's K and V start coming while this one is read
                 prefetch_block(k, nxt, h, H, BS, k_row, k_has_zero)
                 prefetch_block(v, nxt, h, H, BS, v_row, v_has_zero)
-            if k_shared and not (folded and kb_stride == 0):  # static: fold once
+            # Where scales change per block, the next block's are folded into the query now,
+            # ahead of this block's work: a fold is a chain of dependent steps (a max over the
+            # query, a reciprocal, rounding, a store the dots read back) that would otherwise
+            # stall the block it serves. Static scales were folded once.
+            b_all, b_step, b_bias = q_all, q_step, bias  # this block's
+            following = next_block(row, j + 1, hi)
+            if k_shared and kb_stride != 0 and following < hi:
+                q_at = 2 * RD - q_at
                 q_all, q_step, bias = fold(q_base, k_scales, k_zeros,
-                                           blk * kb_stride + h * kh_stride, q_words)
-                folded = True
+                                           row[following] * kb_stride + h * kh_stride, q_words,
+                                           q_at)
             if v_shared:
                 v_scale, v_zero = block_scales(v_scales, v_zeros, blk * vb_stride + h * vh_stride)
             first_row = (blk * H + h) * BS
             for t0 in range(0, min(BS, n_keys - j * BS), TILE):
                 nt = min(TILE, n_keys - j * BS - t0)
-                score = tile_scores(k_codes, first_row + t0, q_all)  # (R x 16)
+                score = tile_scores(k_codes, first_row + t0, b_all, q_words)  # (R x 16)
                 if k_int and k_token:  # score = scale * (q . code - zero * sum q)
                     s_at = blk * kb_stride + h * kh_stride + t0 * kt_stride
                     if k_zero_term:
@@ -237,7 +258,7 @@ def vector_kernel(kf: PoolFormat, vf: PoolFormat, R: int, D: int, k_groups: int,
                         score = score - repeat(z16, R) * spread(q_sum, TILE)
                     score = score * repeat(k_scales16(k_scales, s_at, TILE), R)
                 if k_int:
-                    score = (score - spread(bias, TILE)) * spread(q_step, TILE)
+                    score = (score - spread(b_bias, TILE)) * spread(b_step, TILE)
                 score = first_keys(score, nt, -np.inf)  # keys past the row's end weigh 0
                 if any_above(score, spread(m + LAZY, TILE)):  # rescale the sums to a new max
                     top = vmax(m, segment_max(score, TILE))
@@ -290,7 +311,8 @@ def vector_kernel(kf: PoolFormat, vf: PoolFormat, R: int, D: int, k_groups: int,
                      lse):
         n_split, N, Hq, _ = o.shape
         buf = np.empty(RG16 + RD + TILE * D, np.float32)  # a tile's weights, value sums, rows
-        q_words = np.empty(2 * RD, np.int16)  # the query of keys read in pairs
+        # The query of keys read in pairs, twice: this block's fold and the next block's.
+        q_words = np.empty(4 * RD, np.int16)
         for item in range(first, last):
             n, h, split = item // (H * n_split), item // n_split % H, item % n_split
             b = q_seq[n]

@@ -42,29 +42,29 @@ def in_pairs(fmt: PoolFormat, D: int) -> bool:
 
 
 def _key_reader(fmt: PoolFormat, R: int, D: int):
-    """key(codes, row, q_all): a key's products with R query heads, summed to 16 lanes a head
-    (int32 for integer codes: exact; float32 for fp16); where keys go in pairs (in_pairs), keys
-    row and row + 1, 8 lanes each."""
+    """key(codes, row, q_all, q_words): a key's products with R query heads, summed to 16 lanes a
+    head (int32 for integer codes: exact; float32 for fp16); where keys go in pairs (in_pairs),
+    keys row and row + 1, 8 lanes each, against the query stored in q_words from element q_all."""
     width, bits = D // planes(fmt), fmt.bits
     lanes = 2 * R * D  # the query against a key pair
     if in_pairs(fmt, D):
         @njit(forceinline=True)
-        def key(codes, row, q_words):  # q_words: the query as piece_copies stored it
+        def key(codes, row, q_at, q_words):  # q_words: the query as piece_copies stored it
             x = word_planes(codes, row * width, (row + 1) * width, width, bits)  # (2D,) WORDS
-            return head_dots(x, load(q_words, 0, lanes), R)
+            return head_dots(x, load(q_words, q_at, lanes), R)
     elif fmt.code == HALF:
         @njit(forceinline=True)
-        def key(codes, row, q_all):
+        def key(codes, row, q_all, q_words):
             x = half_to_float(load(codes, row * width, D))  # (D,)
             return head_dots(x, q_all, R)
     elif fmt.bits == 8:
         @njit(forceinline=True)
-        def key(codes, row, q_all):
+        def key(codes, row, q_all, q_words):
             c16 = to_int16(load(codes, row * width, width))  # (D,)
             return head_dots(c16, q_all, R)
     else:
         @njit(forceinline=True)
-        def key(codes, row, q_all):
+        def key(codes, row, q_all, q_words):
             c16 = code_planes(load(codes, row * width, width), bits)  # (D,) stored order
             return head_dots(c16, q_all, R)
     return key
@@ -116,8 +116,8 @@ def value_reader(fmt: PoolFormat, D: int, groups: int):
 
 
 def tile_scorer(fmt: PoolFormat, R: int, D: int):
-    """tile_scores(codes, row, q_all): (R x 16) float32 dot products of R query heads with keys
-    row .. row + 15 (q_all: the query as the key reader takes it)."""
+    """tile_scores(codes, row, q_all, q_words): (R x 16) float32 dot products of R query heads
+    with keys row .. row + 15 (q_all, q_words: the query as the key reader takes it)."""
     key = _key_reader(fmt, R, D)
     if fmt.code == INTEGER:
         @njit(forceinline=True)
@@ -130,27 +130,31 @@ def tile_scorer(fmt: PoolFormat, R: int, D: int):
 
     if in_pairs(fmt, D):
         @njit(forceinline=True)
-        def tile_scores(codes, row, q_all):
-            """(R x 16) float32 dot products of the R heads with keys row .. row + 15: eight key
-            pairs of 8 partial sums, then three steps of the transpose-and-add tree (`pair`)."""
-            a = pair(pair(key(codes, row, q_all), key(codes, row + 2, q_all), 8),
-                     pair(key(codes, row + 4, q_all), key(codes, row + 6, q_all), 8), 4)
-            b = pair(pair(key(codes, row + 8, q_all), key(codes, row + 10, q_all), 8),
-                     pair(key(codes, row + 12, q_all), key(codes, row + 14, q_all), 8), 4)
-            return as_float(pair(a, b, 2))
+        def eight(codes, row, q_all, q_words):
+            """Keys row .. row + 7, 2 lanes each: four key pairs of 8 partial sums, then two
+            steps of the transpose-and-add tree (`pair`)."""
+            return pair(pair(key(codes, row, q_all, q_words), key(codes, row + 2, q_all, q_words),
+                             8),
+                        pair(key(codes, row + 4, q_all, q_words),
+                             key(codes, row + 6, q_all, q_words), 8), 4)
     else:
         @njit(forceinline=True)
-        def tile_scores(codes, row, q_all):
-            """(R x 16) float32 dot products of the R heads with keys row .. row + 15, by the
-            tree: four steps of `pair` turn 16 vectors of 16 partial sums into 16 sums."""
-            a = pair(pair(pair(key(codes, row, q_all), key(codes, row + 1, q_all), 16),
-                          pair(key(codes, row + 2, q_all), key(codes, row + 3, q_all), 16), 8),
-                     pair(pair(key(codes, row + 4, q_all), key(codes, row + 5, q_all), 16),
-                          pair(key(codes, row + 6, q_all), key(codes, row + 7, q_all), 16), 8), 4)
-            b = pair(pair(pair(key(codes, row + 8, q_all), key(codes, row + 9, q_all), 16),
-                          pair(key(codes, row + 10, q_all), key(codes, row + 11, q_all), 16), 8),
-                     pair(pair(key(codes, row + 12, q_all), key(codes, row + 13, q_all), 16),
-                          pair(key(codes, row + 14, q_all), key(codes, row + 15, q_all), 16), 8),
-                     4)
-            return as_float(pair(a, b, 2))
+        def four(codes, row, q_all, q_words):
+            """Keys row .. row + 3, 4 lanes each: two steps of the tree from 16 partial sums."""
+            return pair(pair(key(codes, row, q_all, q_words), key(codes, row + 1, q_all, q_words),
+                             16),
+                        pair(key(codes, row + 2, q_all, q_words),
+                             key(codes, row + 3, q_all, q_words), 16), 8)
+
+        @njit(forceinline=True)
+        def eight(codes, row, q_all, q_words):
+            """Keys row .. row + 7, 2 lanes each."""
+            return pair(four(codes, row, q_all, q_words), four(codes, row + 4, q_all, q_words), 4)
+
+    @njit(forceinline=True)
+    def tile_scores(codes, row, q_all, q_words):
+        """(R x 16) float32 dot products of the R heads with keys row .. row + 15: the last step
+        of the tree leaves one lane per key, in key order."""
+        return as_float(pair(eight(codes, row, q_all, q_words),
+                             eight(codes, row + 8, q_all, q_words), 2))
     return tile_scores
