@@ -7,8 +7,10 @@ LLVM vector.
 
 Lane counts are compile-time constants (literal ints in the kernel), so each operation is a few
 LLVM instructions with constant shuffle masks. Nothing here names a CPU instruction: LLVM picks
-them for the CPU numba compiles for (`head_dots` on int16 becomes vpdpwssd with AVX-512 VNNI, on
-Intel and AMD alike; vpmaddwd + vpaddd on AVX2).
+them for the CPU numba compiles for: `head_dots` on int16 is vpmaddwd + vpaddd, which LLVM fuses
+into vpdpwssd (AVX-512 VNNI) only on CPUs it tunes as fast at it. LLVM 22 does not for the Xeons
+this project has run on (detected as rocketlake); vpdpwssd forced there as inline assembly
+changed the int8 and int4 kernels' times by 0.97-1.03x, so the adds are not what bounds them.
 
 The kernel keeps "wide" vectors: R query heads side by side, each a segment of D (or 16) lanes.
 `repeat` copies a key's D lanes once per head; `spread` widens one value per head to its segment.
