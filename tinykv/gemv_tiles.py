@@ -5,8 +5,9 @@ Each step along the input channels loads 16 channels of 4 weight rows and of 4 a
 and does 16 fused multiply-adds: 16 accumulators of 16 lanes, one per (activation row, output
 row) pair. Loads per multiply-add fall from about one (one weight row per accumulator, as in
 the eight-row loop LLVM vectorizes) to a half, so with a few activation rows the loop stays bound
-by the weights' bytes instead of by loads. The weight rows of the next group are prefetched while
-these are multiplied, so their reads overlap this group's arithmetic instead of following it.
+by the weights' bytes instead of by loads. The weight rows of the next group are prefetched into
+L2 while these are multiplied, so their reads overlap this group's arithmetic instead of
+following it; into L2, not L1, where they would push out the activation rows every group reuses.
 
 Tails: a group past the last activation or output row repeats that row (its sums are computed and
 dropped, reads stay inside the arrays); channels past the last multiple of 16 are added one by
@@ -16,8 +17,8 @@ ones with AVX2).
 
 from __future__ import annotations
 
-from .kernels.cpu_numerics import AVAILABLE, intrinsic, njit, types
-from .kernels.cpu_simd import _pieces, load, prefetch_lines, splat
+from .kernels.cpu_numerics import AVAILABLE, intrinsic, njit, prefetch_l2, types
+from .kernels.cpu_simd import _pieces, load, splat
 from .kernels.cpu_simd_ops import fma, pair
 
 GROUP = 4  # activation rows, and output rows, per tile
@@ -54,8 +55,9 @@ def _tile_sums(x, w, x_rows, w_rows, steps, ahead, per_step):
     a20 = a21 = a22 = a23 = a30 = a31 = a32 = a33 = splat(0.0, LANES)
     for step in range(steps):
         c = step * LANES
-        if ahead >= 0:
-            prefetch_lines(w, ahead + step * per_step * LANES, per_step)
+        if ahead >= 0:  # into L2 only: L1 holds the activation rows (16 rows of 576: 36 KiB)
+            for i in range(per_step):
+                prefetch_l2(w, ahead + (step * per_step + i) * LANES)
         v0, v1 = load(w, w0 + c, 16), load(w, w1 + c, 16)
         v2, v3 = load(w, w2 + c, 16), load(w, w3 + c, 16)
         a00, a01, a02, a03 = _four_fmas(load(x, x0 + c, 16), v0, v1, v2, v3, a00, a01, a02, a03)

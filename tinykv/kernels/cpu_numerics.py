@@ -119,19 +119,26 @@ def f32_bits(typingctx, x):
     return types.int64(types.float32), codegen
 
 
-@intrinsic
-def prefetch(typingctx, arr, i):
-    """Hint the cache line of flat element i of a C-contiguous array (llvm.prefetch: read, keep
-    in every level); it never faults, so an address past the end is harmless."""
-    def codegen(context, builder, sig, args):
-        data = context.make_array(sig.args[0])(context, builder, args[0]).data
-        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
-        fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
-        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
-        ptr = builder.bitcast(builder.gep(data, [args[1]]), i8p)
-        builder.call(fn, [ptr, i32(0), i32(3), i32(1)])  # read, keep in all levels, data cache
-        return context.get_dummy_value()
-    return types.none(arr, types.intp), codegen
+def _prefetch(locality: int, what: str):
+    def prefetch_line(typingctx, arr, i):
+        def codegen(context, builder, sig, args):
+            data = context.make_array(sig.args[0])(context, builder, args[0]).data
+            i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+            fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+            fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
+            ptr = builder.bitcast(builder.gep(data, [args[1]]), i8p)
+            builder.call(fn, [ptr, i32(0), i32(locality), i32(1)])  # read, data cache
+            return context.get_dummy_value()
+        return types.none(arr, types.intp), codegen
+    prefetch_line.__doc__ = f"""Hint the cache line of flat element i of a C-contiguous array into
+    {what} (llvm.prefetch: it never faults, so an address past the end is harmless)."""
+    return intrinsic(prefetch_line)
+
+
+prefetch = _prefetch(3, "every cache level")
+# Into L2 and below, not L1: where L1 holds what the loop reuses (gemv_tiles: the activations),
+# lines brought ahead into L1 would push it out.
+prefetch_l2 = _prefetch(2, "L2 and below")
 
 
 @njit(forceinline=True)  # inlined where used: a call per value would stop vectorization
