@@ -11,9 +11,15 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-# Idle OpenMP threads (torch's, numba's) sleep instead of spinning: on a shared machine spinning
-# threads of one pool starve the other's (measured: 2-thread kernel calls 4-18x slower).
-os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+# How long an idle OpenMP thread (torch's pool, numba's) spins before it sleeps. Sleeping at once
+# (OMP_WAIT_POLICY=passive, as before) costs each parallel call a wake-up: ~90 us in the KVM guests
+# measured, so two threads lost to one on every kernel of a decode step. Spinning long (libgomp's
+# default, 300000 spins) lets one pool's idle threads starve the other's. 10000 spins keeps the
+# threads awake between the calls of a step and is over soon after. Measured in one process
+# each, 2 threads: attention over 8192 int4 keys 1.02x one thread's speed asleep, 2.2x spinning;
+# `bench roofline --threads 2`, decode steps at 1x512 32.4 -> 21.8 ms, at 16x1024 68.8 ->
+# 55.6 ms; a torch linear then the attention, in a loop: 682 -> 473 us a pair.
+os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 from .flags import ArgError, resolve_specs  # noqa: E402
 from .inputs import INTERRUPTED, TERMINATED, Terminated, check_early  # noqa: E402
