@@ -527,6 +527,22 @@ def test_flag_errors_come_before_torch(tmp_path: Path) -> None:
     assert r.stderr.startswith("error:") and r.stdout.strip() == "False", r.stderr
 
 
+def test_idle_openmp_threads_spin_a_while_unless_told(tmp_path: Path) -> None:
+    """The CLI lets idle OpenMP threads spin GOMP_SPINCOUNT=10000 times before they sleep (a
+    thread woken from sleep costs each parallel kernel ~90 us on a VM); a value the environment
+    gives stays, and the CLI does not make threads sleep at once (OMP_WAIT_POLICY=passive)."""
+    work, _ = prepare(tmp_path)
+    code = ("import os\nimport tinykv.cli\n"
+            "print(os.environ.get('GOMP_SPINCOUNT'), os.environ.get('OMP_WAIT_POLICY'))")
+    env = {k: v for k, v in child_env(work / "tmp").items()
+           if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    for given, want in ((None, "10000 None"), ("250", "250 None")):
+        extra = {} if given is None else {"GOMP_SPINCOUNT": given}
+        r = subprocess.run([sys.executable, "-c", code], cwd=work, env={**env, **extra},
+                           capture_output=True, text=True, timeout=TIMEOUT)
+        assert r.returncode == 0 and r.stdout.strip() == want, (r.stdout, r.stderr)
+
+
 # ---- what works ----------------------------------------------------------------------------------
 def generate_json(args: list[str], files: dict[str, str], work: Path) -> dict:
     r = run_cli(fill(["run.py", *args, "--weights", "{tiny}", "--json", *GEN], files, work), work)
