@@ -16,7 +16,7 @@ from contextlib import contextmanager
 # measured, so two threads lost to one on every kernel of a decode step. Spinning long (libgomp's
 # default, 300000 spins) lets one pool's idle threads starve the other's. 10000 spins keeps the
 # threads awake between the calls of a step and is over soon after. Measured in one process
-# each, 2 threads: attention over 8192 int4 keys 1.02x one thread's speed asleep, 2.2x spinning;
+# each, 2 threads: attention over 8192 int4 keys 1.09x one thread's speed asleep, 2.2x spinning;
 # `bench roofline --threads 2`, decode steps at 1x512 32.4 -> 21.8 ms, at 16x1024 68.8 ->
 # 55.6 ms; a torch linear then the attention, in a loop: 682 -> 473 us a pair.
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")
