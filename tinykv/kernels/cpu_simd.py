@@ -6,11 +6,9 @@ lanes: 192) lane by lane, pieces it keeps in registers. Smaller Vecs (one lane p
 LLVM vector.
 
 Lane counts are compile-time constants (literal ints in the kernel), so each operation is a few
-LLVM instructions with constant shuffle masks. Nothing here names a CPU instruction: LLVM picks
-them for the CPU numba compiles for: `head_dots` on int16 is vpmaddwd + vpaddd, which LLVM fuses
-into vpdpwssd (AVX-512 VNNI) only on CPUs it tunes as fast at it. LLVM 22 does not for the Xeons
-this project has run on (detected as rocketlake); vpdpwssd forced there as inline assembly
-changed the int8 and int4 kernels' times by 0.97-1.03x, so the adds are not what bounds them.
+LLVM instructions with constant shuffle masks. LLVM picks the instructions: `head_dots` on int16
+is vpmaddwd + vpaddd, fused into vpdpwssd only for CPUs LLVM 22 tunes as fast at it (not these
+Xeons, seen as rocketlake, where forcing it by inline assembly measured 0.97-1.03x the time).
 
 The kernel keeps "wide" vectors: R query heads side by side, each a segment of D (or 16) lanes.
 `repeat` copies a key's D lanes once per head; `spread` widens one value per head to its segment.

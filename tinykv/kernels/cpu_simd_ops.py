@@ -74,13 +74,9 @@ def _segment(v, seg, op: str):
                 f"llvm.fabs.v{PIECE}f32")
             pieces = [builder.call(fabs, [p]) for p in pieces]
         def tree(values):  # pairwise: a chain log2(len) combines deep, not len - 1
-            while len(values) > 1:
-                values = [combine(*values[i:i + 2]) if i + 1 < len(values) else values[i]
-                          for i in range(0, len(values), 2)]
-            return values[0]
-
-        tops = []
-        per = n // PIECE
+            return values[0] if len(values) == 1 else combine(
+                tree(values[:len(values) // 2]), tree(values[len(values) // 2:]))
+        tops, per = [], n // PIECE
         for first in range(0, len(pieces), per):
             p = tree(pieces[first:first + per])
             width = PIECE
