@@ -238,12 +238,13 @@ def vector_kernel(kf: PoolFormat, vf: PoolFormat, R: int, D: int, k_groups: int,
             # query, a reciprocal, rounding, a store the dots read back) that would otherwise
             # stall the block it serves. Static scales were folded once.
             b_all, b_step, b_bias = q_all, q_step, bias  # this block's
-            following = next_block(row, j + 1, hi)
-            if k_shared and kb_stride != 0 and following < hi:
-                q_at = 2 * RD - q_at
-                q_all, q_step, bias = fold(q_base, k_scales, k_zeros,
-                                           row[following] * kb_stride + h * kh_stride, q_words,
-                                           q_at)
+            if k_shared and kb_stride != 0:  # per-token and static scales: nothing to fold
+                following = next_block(row, j + 1, hi)
+                if following < hi:
+                    q_at = 2 * RD - q_at
+                    q_all, q_step, bias = fold(q_base, k_scales, k_zeros,
+                                               row[following] * kb_stride + h * kh_stride,
+                                               q_words, q_at)
             if v_shared:
                 v_scale, v_zero = block_scales(v_scales, v_zeros, blk * vb_stride + h * vh_stride)
             first_row = (blk * H + h) * BS
