@@ -5,10 +5,12 @@ have the same signatures: read them first.
 This file holds what a call costs beside the kernel itself, and how the work is shared:
 - `CpuKernels` (one per cache) converts each pool into kernel arguments once, on first use, and
   a step's metadata (query rows, positions, block tables, lengths) once per step, not per layer.
-- Work items are (query, KV head, split of its blocks). One thread takes them all in order with no
-  split; several threads take equal runs of them, and a batch too small to share evenly splits
-  each query's blocks, merged by log-sum-exp. numba's threads follow torch's count (--threads);
-  a call of few reads (a short context) stays on one thread, as starting them costs more.
+- Work items are (query, split of its blocks, KV head), in that order. One thread takes them all
+  with no split; several threads take equal runs of them, and a batch too small to share evenly
+  splits each query's blocks, merged by log-sum-exp: then each thread reads its share of the
+  blocks for every head (cpu_plain.attention_kernel says why the heads go innermost). numba's
+  threads follow torch's count (--threads); a call of few reads (a short context) stays on one
+  thread, as starting them costs more.
 - Rows of more than CHUNK_MAX queries (prefill chunks) go to the reference, which reads a row once
   for all its queries; the kernel reads it once per query.
 - `direct` hands a decode step's store and attention to the model as numpy calls, layer by layer

@@ -304,9 +304,13 @@ def _attend_item(kf, vf, q_heads, sm_scale, row, n_keys, lo, hi, h, H, BS, k, v,
 def attention_kernel(kf: PoolFormat, vf: PoolFormat) -> tuple:
     """(serial, parallel) kernels for one pair of K and V formats, compiled on first call.
 
-    Work item (query n, KV head h, split s) attends over the s-th share of its blocks into
-    o[s, n, heads of h] (S, N, Hq, D) and lse[s, n, ...] (S, N, Hq): partials to merge. serial
-    takes items first..last-1; parallel shares all items between `workers` threads."""
+    Work item (query n, split s, KV head h), numbered in that order, attends over the s-th share
+    of its blocks into o[s, n, heads of h] (S, N, Hq, D) and lse[s, n, ...] (S, N, Hq): partials
+    to merge. serial takes items first..last-1; parallel shares all items between `workers`
+    threads. The heads are innermost so that one thread reads a share's blocks for every head
+    in turn: a block holds all heads, so the lines read ahead past one head's rows are the next
+    head's (a thread whose run held one head's whole sequence read the rest later, from DRAM
+    again)."""
 
     @kernel((kf, vf), fastmath=FAST, error_model="numpy")
     def attend_items(first, last, q, q_seq, q_pos, table, ctx_lens, k, v, H, BS, sm_scale, o,
@@ -316,7 +320,7 @@ def attention_kernel(kf: PoolFormat, vf: PoolFormat) -> tuple:
         ws = workspace(R, BS, (planes(kf), k[0].shape[1], k[0].shape[2]),
                         (planes(vf), v[0].shape[1], v[0].shape[2]))
         for item in range(first, last):
-            n, h, split = item // (H * n_split), item // n_split % H, item % n_split
+            n, split, h = item // (n_split * H), item // H % n_split, item % H
             b = q_seq[n]
             n_keys = min(q_pos[n] + 1, ctx_lens[b])  # causal: keys 0 .. n_keys-1 are visible
             n_blocks = min((n_keys + BS - 1) // BS, table.shape[1])

@@ -315,7 +315,7 @@ def vector_kernel(kf: PoolFormat, vf: PoolFormat, R: int, D: int, k_groups: int,
         # The query of keys read in pairs, twice: this block's fold and the next block's.
         q_words = np.empty(4 * RD, np.int16)
         for item in range(first, last):
-            n, h, split = item // (H * n_split), item // n_split % H, item % n_split
+            n, split, h = item // (n_split * H), item // H % n_split, item % H
             b = q_seq[n]
             n_keys = min(q_pos[n] + 1, ctx_lens[b])  # causal: keys 0 .. n_keys-1 are visible
             n_blocks = min((n_keys + BS - 1) // BS, table.shape[1])
