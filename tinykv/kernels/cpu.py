@@ -269,6 +269,7 @@ def _follow_torch_threads(wanted: int) -> int:
 def _merge_splits(o, lse):
     """Merge partials over disjoint key sets into o[0], lse[0]: o (S, N, Hq, D), lse (S, N, Hq)."""
     S, N, Hq, D = o.shape
+    weights = np.empty(S)  # each part's share of a head's probability mass
     for n in range(N):
         for hq in range(Hq):
             top = -np.inf
@@ -281,10 +282,12 @@ def _merge_splits(o, lse):
             total = 0.0
             for s in range(S):
                 total += np.exp(lse[s, n, hq] - top)
+            for s in range(S):  # once per head, not per channel: S exps instead of S * D
+                weights[s] = np.exp(lse[s, n, hq] - top) / total
             for d in range(D):
                 x = 0.0
                 for s in range(S):
-                    x += np.exp(lse[s, n, hq] - top) / total * o[s, n, hq, d]
+                    x += weights[s] * o[s, n, hq, d]
                 o[0, n, hq, d] = x
             lse[0, n, hq] = top + np.log(total)
 
