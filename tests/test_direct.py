@@ -150,6 +150,30 @@ def test_two_threads_take_the_direct_calls(threads_min_reads, shape, seqs, monke
         assert torch.equal(g, w)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_long_queries_split_in_shares_on_the_direct_path(threads, monkeypatch):
+    """Shares of a query's blocks (kernels.cpu.SHARE_BYTES, set here to 6 keys' codes so that
+    every decode step splits) are merged on one thread as on two: the same logits as the layer
+    by layer path bit for bit, and within rounding of the unsplit steps."""
+    from tinykv.kernels import cpu as kernels_cpu
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        m = model()
+        whole, _ = decode(m, "int8", run_layers, steps=3)
+        monkeypatch.setattr(kernels_cpu, "SHARE_BYTES", 6 * 2 * 2 * 32)  # 2 KV heads of 32
+        want, _ = decode(m, "int8", run_layers, steps=3)
+        calls = counted(monkeypatch)
+        got, _ = decode(m, "int8", gemv_layer.select_kernels("cpu", REFERENCES)["layers"],
+                        steps=3)
+    finally:
+        torch.set_num_threads(before)
+    assert calls == [0, 1] * 3
+    for g, w, u in zip(got, want, whole):
+        assert torch.equal(g, w)
+        torch.testing.assert_close(g, u)
+
+
 def _sums(rows, out):
     """out[n] = the sum of rows[n] (N, H, D), read element by element (the layout matters)."""
     for n in range(rows.shape[0]):

@@ -22,7 +22,7 @@ import sys
 
 import pytest
 import torch
-from pools import ATTN_CASES, make_batch, make_pool
+from pools import ATTN_CASES, NB, make_batch, make_pool
 from test_reference import attention_f64, dense
 
 from tinykv.kernels import cpu as kernels_cpu
@@ -284,6 +284,35 @@ def test_threads_only_where_the_reads_pay_for_them():
             assert torch.equal(out[0], alone[0]) and torch.equal(out[1], alone[1])
     finally:
         torch.set_num_threads(before)
+
+
+def test_long_queries_split_in_shares_of_share_bytes(monkeypatch):
+    """By default a query's blocks split in shares of at most SHARE_BYTES of codes (K and V, every
+    KV head), rounded to a multiple of the threads where they split for balance; the answer is
+    the reference's within rounding."""
+    gen = torch.Generator().manual_seed(11)
+    H, BS, D = 3, 16, 64  # NB blocks: 384 keys
+    k, v = make_pool("fp16", H, BS, D, gen), make_pool("int8", H, BS, D, gen)
+    key_bytes = H * D * 2 + H * D  # fp16 keys, int8 values
+    table = torch.randperm(NB, generator=gen).int()[None]
+    ctx = torch.tensor([NB * BS], dtype=torch.int32)
+    q, q_seq, q_pos = torch.randn(1, 3 * H, D, generator=gen), torch.arange(1), ctx.long() - 1
+    monkeypatch.setattr(kernels_cpu, "SHARE_BYTES", 60 * key_bytes)  # 384 keys: 7 shares
+    kernels = kernels_cpu.CpuKernels(threads_min_reads=0)
+    step = kernels._step(q_seq, q_pos, table, ctx)
+    before = with_threads(1)
+    try:
+        assert kernels._share(step, H, key_bytes) == (1, 7)
+        torch.set_num_threads(2)
+        if kernels_cpu.numba.config.NUMBA_NUM_THREADS >= 2:  # 3 items: split for balance too
+            assert kernels._share(step, H, key_bytes) == (2, 8)
+        out = kernels.attend(q, q_seq, q_pos, k, v, table, ctx, D**-0.5)  # 2 threads, 8 shares
+    finally:
+        torch.set_num_threads(before)
+    sm = D**-0.5
+    ref = paged_attention_ref(q, q_seq, q_pos, k, v, table, ctx, sm)
+    check(out, ref, attention_f64(q, q_seq, q_pos, k, v, table, ctx, sm),
+          rounding_bound(q, q_seq, q_pos, k, v, table, ctx, sm))
 
 
 def test_attention_empty_and_layout_checks():

@@ -41,6 +41,13 @@ CHUNK_MAX = 4
 # Starting numba's threads costs a call tens of microseconds; below this many (key, KV head)
 # reads a call is faster on one thread (bench kernel --cpu's fixed costs say how much).
 THREADS_MIN_READS = 4096
+# Bytes of codes (K and V, every KV head) per share of a long query's blocks. A block holds every
+# KV head, and a thread reads a share's blocks for each head in turn (cpu_plain.attention_kernel):
+# the lines read ahead past one head's rows are the next head's, still in L2 when that head comes
+# within a share of about L2's size (2 MiB a core on the Xeons measured; 1 MiB on a Zen 5).
+# Whole decode steps at 8k keys, one thread, shares of 1 and 2 MiB against none: fp16 faster,
+# int8 slower by a few % at 1 MiB and even at 2; the README's speed section has the times.
+SHARE_BYTES = 2 << 20
 # the kernels take a pool's arrays as a plain tuple in PoolArrays' order
 _GROUP_SIZE = PoolArrays._fields.index("group_size")
 
@@ -59,6 +66,7 @@ class _Step:
         self.n_queries = len(self.q_seq)
         visible = np.minimum(self.q_pos + 1, self.ctx_lens[self.q_seq])  # (N,) keys per query
         self.key_reads = int(visible.sum())  # per KV head
+        self.longest = int(visible.max()) if len(visible) else 0  # the most keys of one query
         self.chunked = False  # a row of more than CHUNK_MAX queries: a prefill chunk
         if len(self.q_seq) > CHUNK_MAX:
             counts = np.bincount(self.q_seq, minlength=len(self.ctx_lens))  # queries per row
@@ -104,7 +112,8 @@ class CpuKernels:
                v: PoolLayer, block_table: torch.Tensor, ctx_lens: torch.Tensor, sm_scale: float,
                num_splits: int | None = None) -> Partial:
         """paged_attention_ref, fused. num_splits: shares of each query's blocks (default: one
-        for a single thread, else enough items to keep every thread busy)."""
+        per SHARE_BYTES of the longest query's codes, and enough items to keep every thread
+        busy)."""
         step = self._step(q_seq, q_pos, block_table, ctx_lens)
         N, Hq, D = q.shape
         if step.chunked or step.n_queries != N or q_seq.dim() != 1:
@@ -114,7 +123,7 @@ class CpuKernels:
         if call is None:  # a format the kernels do not read in place
             return paged_attention_ref(q, q_seq, q_pos, k, v, block_table, ctx_lens, sm_scale)
         serial, parallel, k_arrays, v_arrays, H, BS = call
-        threads, num_splits = self._share(step, H, num_splits)
+        threads, num_splits = self._share(step, H, _key_bytes(k, v), num_splits)
         o = empty_rows((num_splits, N, Hq, D))
         lse = np.empty((num_splits, N, Hq), np.float32)
         if q.dtype is torch.float32 and q.is_contiguous():
@@ -153,22 +162,29 @@ class CpuKernels:
         if sm_scale != self._scale[0]:
             self._scale = (sm_scale, np.float32(sm_scale))
         calls = self._layers[2]
-        share = self._share(step, calls[0].kv_heads) if calls else (1, 1)
+        share = (1, 1)
+        if calls:  # the first layer's formats stand for all
+            share = self._share(step, calls[0].kv_heads, _key_bytes(*layers[0]))
         return DirectLayers(step, as_index(blk, np.int64), as_index(off, np.int64), calls,
                             self._scale[1], count_saturated, Hq, D, share, _MERGE)
 
-    def _share(self, step: _Step, H: int, num_splits: int | None = None) -> tuple[int, int]:
+    def _share(self, step: _Step, H: int, key_bytes: int,
+               num_splits: int | None = None) -> tuple[int, int]:
         """(threads, shares of each query's blocks) for attention over the step's queries and H
-        KV heads: one thread under threads_min_reads (key, KV head) reads; else torch's count,
-        and with too few (query, KV head) items to share evenly, each query's blocks split
-        among the threads (merged by log-sum-exp), unless num_splits says how many."""
+        KV heads: one thread under threads_min_reads (key, KV head) reads; else torch's count.
+        Unless num_splits says how many, each query's blocks split in shares of at most
+        SHARE_BYTES of codes (key_bytes a key), and with too few (query, KV head) items to
+        share evenly among the threads, in a multiple of their count (partials merged by
+        log-sum-exp)."""
         threads = self._threads()
         if step.key_reads * H < self.threads_min_reads:  # starting the threads costs more
             threads = 1
-        items = step.n_queries * H
         if num_splits is None:
-            num_splits = 1 if threads == 1 or items % threads == 0 or items >= 8 * threads \
-                else threads
+            items = step.n_queries * H
+            uneven = threads > 1 and items % threads != 0 and items < 8 * threads
+            for_threads = threads if uneven else 1
+            for_length = -(-step.longest * key_bytes // SHARE_BYTES)
+            num_splits = for_threads * max(1, -(-for_length // for_threads))
         return threads, num_splits
 
     def _call(self, k: PoolLayer, v: PoolLayer, Hq: int, D: int) -> tuple | None:
@@ -254,6 +270,11 @@ class CpuKernels:
             o[~chunk], lse[~chunk] = self.attend(q[~chunk], q_seq[~chunk], q_pos[~chunk], k, v,
                                                  table, ctx_lens, sm_scale, num_splits)
         return o, lse
+
+
+def _key_bytes(k: PoolLayer, v: PoolLayer) -> int:
+    """Bytes of codes one key holds in a pair of pools, every KV head, K and V."""
+    return sum(p.data.element_size() * p.data.shape[1] * p.data.shape[3] for p in (k, v))
 
 
 def _follow_torch_threads(wanted: int) -> int:

@@ -86,7 +86,7 @@ class DirectLayers:
         self.q_shape, self.kv_shape = (N, Hq, D), (N, H, D)
         self.threads, splits = share
         self.merge = merge if splits > 1 else None
-        self.items = splits * N * H  # work items of a layer's attention: (split, query, KV head)
+        self.items = splits * N * H  # work items of a layer's attention: (query, split, KV head)
         # every layer's outputs in the same arrays: an np.empty between two layers' weight reads
         # would run with cold caches, as every op there does
         self.out = (empty_rows((splits, N, Hq, D)), empty_rows((splits, N, Hq)))  # o, lse
@@ -130,8 +130,8 @@ class DirectLayers:
             use_threads(self.threads)
             calls = self.layers[layer].attend_parallel
             calls.entries.get(layout, calls)(self.threads, q, *self.attend_args[layer])
-            if self.merge is not None:
-                self.merge(*self.out)
+        if self.merge is not None:
+            self.merge(*self.out)
         return self.out[0][0]  # (N, Hq, D)
 
 
