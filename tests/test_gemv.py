@@ -53,14 +53,14 @@ def test_linear_cpu_within_the_float32_bound(dtype, rows, threads):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, gemv.SLICED_MAX_ROWS, gemv.SLICED_MAX_ROWS + 1,
+@pytest.mark.parametrize("rows", [1, gemv.SLICED_MAX_ROWS, gemv.SLICED_MAX_ROWS + 1, 9, 16,
                                   gemv.TILE_MAX_ROWS + 1])
 @pytest.mark.parametrize("n", [1, 7, 8, 9, 17, 131])
 def test_every_output_row_in_every_loop(dtype, rows, n, threads):
     """Each loop's blocks write every output row once, at any row count: the sliced loop's 8
     slices of ceil(n / 8) rows leave the last ones short or empty (n = 9: slices of 2, the fifth
     holds row 8 alone, the last three none), the tiles' and the eight-row loop's last block is
-    short."""
+    short; 9 and 16 rows take the tiles of 8 by 2 (gemv_tiles), whose two groups overlap at 9."""
     gen = torch.Generator().manual_seed(n * 100 + rows)
     w = torch.randn(n, 40, generator=gen).to(dtype)
     x = torch.randn(rows, 40, generator=gen).to(dtype)

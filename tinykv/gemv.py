@@ -9,10 +9,11 @@ reads each block from memory once. How it reads a block depends on the batch. Fo
 activation rows, and for half weights, sliced: a block's 8 rows come from 8 slices of W, so 8
 sequential streams are read at once, and each row is multiplied by every activation row while it
 sits in L1. Float32 weights at more rows go 4 rows by 4 activation rows at a time in vector
-registers (gemv_tiles.py), which keeps a batch of up to `TILE_BATCH` rows bound by the weights'
-bytes; beyond the tiles, 8 contiguous rows in parallel, each activation row multiplied by the
-block in L1. Half weights widen element by element (`SMALL_BATCH`). Prefill chunks and large
-batches, where a matmul is bound by arithmetic, stay with torch.
+registers (gemv_tiles.py; 2 by 8 from 9 to 16 activation rows of short rows), which keeps a
+batch of up to `TILE_BATCH` rows bound by the weights' bytes; beyond the tiles, 8 contiguous
+rows in parallel, each activation row multiplied by the block in L1. Half weights widen element
+by element (`SMALL_BATCH`). Prefill chunks and large batches, where a matmul is bound by
+arithmetic, stay with torch.
 
 `gemv_layer.select_kernels(device, ...)` chooses once, when the model is loaded (model.py calls
 it), like the attention kernels: `linear_cpu` where numba is installed and the weights are on the
@@ -174,7 +175,7 @@ def serial_and_parallel(fn: Callable, variant: tuple) -> tuple:
 def _block(x, w, y, block):
     """_gemv_block's contract, by the loop that reads these weights fastest for this many
     activation rows: sliced (_sliced) for half weights and up to SLICED_MAX_ROWS rows; float32
-    weights in 4 x 4 tiles of registers (gemv_tiles.py) from there to TILE_MAX_ROWS rows; eight
+    weights in tiles of registers (gemv_tiles.py) from there to TILE_MAX_ROWS rows; eight
     contiguous rows at a time beyond."""
     _gemv_block(x, w, y, block)
 

@@ -9,6 +9,13 @@ by the weights' bytes instead of by loads. The weight rows of the next group are
 L2 while these are multiplied, so their reads overlap this group's arithmetic instead of
 following it; into L2, not L1, where they would push out the activation rows every group reuses.
 
+From 9 to 16 activation rows with short rows (PAIR_MAX_CHANNELS), tiles are 8 activation rows
+by 2 weight rows instead (_pair_sums): the same 16 accumulators, but a weight row's lines come
+from memory during one of two passes over the activations instead of one of four, so its reads
+are spread over half the arithmetic instead of a quarter. That pays while the 8 activation rows
+and the 2 weight rows stay in L1; with longer rows the 4 x 4 tiles are faster (the README's speed
+section has both).
+
 Tails: a group past the last activation or output row repeats that row (its sums are computed and
 dropped, reads stay inside the arrays); channels past the last multiple of 16 are added one by
 one. The vectors are cpu_simd's Vec (one 512-bit register per 16 lanes with AVX-512, two 256-bit
@@ -22,6 +29,9 @@ from .kernels.cpu_simd import _pieces, load, splat
 from .kernels.cpu_simd_ops import fma, pair
 
 GROUP = 4  # activation rows, and output rows, per tile
+PAIR_ROWS = 8  # activation rows per tile of two weight rows
+# 8 activation rows and 2 weight rows of this many float32 channels fill half of a 48 KiB L1
+PAIR_MAX_CHANNELS = 24 * 1024 // (4 * (PAIR_ROWS + 2))
 LANES = 16  # channels per step: one 64-byte line of float32
 _FASTMATH = {"reassoc", "contract", "arcp", "nsz"}
 
@@ -72,6 +82,60 @@ def _tile_sums(x, w, x_rows, w_rows, steps, ahead, per_step):
     return pair(top, bottom, 2)
 
 
+def _pair_sums(x, w, x_first, w0, w1, k, steps, ahead, per_step):
+    """The 16 dot products of activation rows x_first .. x_first+7 (flat start x_first, rows k
+    apart) with weight rows at flat starts w0 and w1 over the first 16 * steps channels, as one
+    16-lane vector: the 8 rows with w0, then with w1; prefetch as _tile_sums."""
+    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = splat(0.0, LANES)  # with w0
+    b0 = b1 = b2 = b3 = b4 = b5 = b6 = b7 = splat(0.0, LANES)  # with w1
+    for step in range(steps):
+        c = step * LANES
+        if ahead >= 0:
+            for i in range(per_step):
+                prefetch_l2(w, ahead + (step * per_step + i) * LANES)
+        v, u = load(w, w0 + c, 16), load(w, w1 + c, 16)
+        a0, b0 = _two_fmas(load(x, x_first + c, 16), v, u, a0, b0)
+        a1, b1 = _two_fmas(load(x, x_first + k + c, 16), v, u, a1, b1)
+        a2, b2 = _two_fmas(load(x, x_first + 2 * k + c, 16), v, u, a2, b2)
+        a3, b3 = _two_fmas(load(x, x_first + 3 * k + c, 16), v, u, a3, b3)
+        a4, b4 = _two_fmas(load(x, x_first + 4 * k + c, 16), v, u, a4, b4)
+        a5, b5 = _two_fmas(load(x, x_first + 5 * k + c, 16), v, u, a5, b5)
+        a6, b6 = _two_fmas(load(x, x_first + 6 * k + c, 16), v, u, a6, b6)
+        a7, b7 = _two_fmas(load(x, x_first + 7 * k + c, 16), v, u, a7, b7)
+    top = pair(pair(pair(a0, a1, 16), pair(a2, a3, 16), 8),
+               pair(pair(a4, a5, 16), pair(a6, a7, 16), 8), 4)
+    bottom = pair(pair(pair(b0, b1, 16), pair(b2, b3, 16), 8),
+                  pair(pair(b4, b5, 16), pair(b6, b7, 16), 8), 4)
+    return pair(top, bottom, 2)
+
+
+def _two_fmas(t, v, u, a, b):
+    """One activation row's 16 channels t times 2 weight rows' v and u, into a and b."""
+    return fma(t, v, a), fma(t, u, b)
+
+
+def _pairs_block(x, w, y, first, count):
+    """_tiles_block's contract for 9 to 16 activation rows, in tiles of 8 by 2: the last group
+    of 8 activation rows ends at the last row (rows in both groups are computed twice and
+    written by the second); the 2 weight rows after each tile are prefetched while it is
+    multiplied, half by each group."""
+    n_rows, n_out, k = x.shape[0], w.shape[0], x.shape[1]
+    steps = k // LANES
+    starts = (0, n_rows - PAIR_ROWS)  # the two groups' first activation rows
+    for o in range(first, min(first + count, n_out), 2):
+        r0, r1 = o, min(o + 1, n_out - 1)
+        for g in range(2):
+            ahead = -1 if o + 2 >= n_out else (o + 2 + g) * k  # next tile's row g
+            sums = _pair_sums(x, w, starts[g] * k, r0 * k, r1 * k, k, steps, ahead, 1)
+            for i in range(PAIR_ROWS):
+                row = starts[g] + i
+                for j in range(min(2, n_out - o)):
+                    total = _lane(sums, j * PAIR_ROWS + i)
+                    for c in range(steps * LANES, k):  # channels past the last 16
+                        total += x[row, c] * w[o + j, c]
+                    y[row, o + j] = total
+
+
 def _starts(first, last, k):
     """Flat starts of rows first .. first+3 of a (rows, k) array, repeating row `last` past it."""
     return (min(first, last) * k, min(first + 1, last) * k, min(first + 2, last) * k,
@@ -82,6 +146,9 @@ def _tiles_block(x, w, y, first, count):
     """Output rows first .. first+count-1 of y (B, N) = x (B, K) @ w (N, K)^T, in tiles of 4 by
     4; the 4 weight rows after each group are prefetched while it is multiplied."""
     n_rows, n_out, k = x.shape[0], w.shape[0], x.shape[1]
+    if PAIR_ROWS < n_rows <= 2 * PAIR_ROWS and k <= PAIR_MAX_CHANNELS:
+        _pairs_block(x, w, y, first, count)
+        return
     steps = k // LANES
     groups = -(-n_rows // GROUP)  # activation row groups: each prefetches its share
     if groups == 0:
@@ -106,7 +173,10 @@ def _tiles_block(x, w, y, first, count):
 
 if AVAILABLE:
     _four_fmas = njit(inline="always", cache=True)(_four_fmas)
+    _two_fmas = njit(inline="always", cache=True)(_two_fmas)
     _tile_sums = njit(fastmath=_FASTMATH, cache=True)(_tile_sums)
+    _pair_sums = njit(fastmath=_FASTMATH, cache=True)(_pair_sums)
+    _pairs_block = njit(fastmath=_FASTMATH, cache=True)(_pairs_block)
     _starts = njit(inline="always", cache=True)(_starts)
     tiles_block = njit(fastmath=_FASTMATH, cache=True)(_tiles_block)
 else:
