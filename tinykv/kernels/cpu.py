@@ -46,7 +46,7 @@ THREADS_MIN_READS = 4096
 # the lines read ahead past one head's rows are the next head's, still in L2 when that head comes
 # within a share of about L2's size (2 MiB a core on the Xeons measured; 1 MiB on a Zen 5).
 # Whole decode steps at 8k keys, one thread, shares of 1 and 2 MiB against none: fp16 faster,
-# int8 slower by a few % at 1 MiB and even at 2; the README's speed section has the times.
+# int8 slower by a few % at 1 MiB and about even at 2; the README's speed section has the times.
 SHARE_BYTES = 2 << 20
 # the kernels take a pool's arrays as a plain tuple in PoolArrays' order
 _GROUP_SIZE = PoolArrays._fields.index("group_size")
