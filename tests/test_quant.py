@@ -5,7 +5,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tinykv.quant import bytes_per_token, compute_scales, dequantize, pack, quantize, unpack
+from tinykv.quant import (
+    MSE_CLIPS,
+    bytes_per_token,
+    cast_up,
+    compute_scales,
+    dequantize,
+    pack,
+    quantize,
+    unpack,
+)
 from tinykv.spec import KVSpec, QuantParams, SpecError
 
 INTS = ("int8", "int4", "int2")
@@ -291,7 +300,9 @@ def parts(draw):
     sym = draw(st.sampled_from(["", "sym"] if dtype == "fp8" else ["", "sym", "asym"]))
     calibratable = gran in ("tensor", "head", "channel") or (gran == "" and dtype == "fp8")
     static = draw(st.sampled_from(["", "static", "dynamic"] if calibratable else ["", "dynamic"]))
-    opts = [o for o in (gran, sym, static) if o] + transforms
+    clips = dtype.startswith("int") and sym != "asym" and gran in ("", "token", "g8", "g32", "g128")
+    mse = "mse" if clips and draw(st.booleans()) else ""
+    opts = [o for o in (gran, sym, static, mse) if o] + transforms
     return ":".join([dtype, *draw(st.permutations(opts))])
 
 
@@ -341,6 +352,8 @@ def test_spec_fuzz_only_raises_spec_error(text):
     ("fp8:g", "fp8:g"), ("int8,sink=-1", "sink=-1"), ("int8\n,v=fp16:head", "v=fp16:head"),
     ("int8,bogus", "unknown dtype 'bogus'"), ("int4:center:center", "center given twice"),
     ("fp16:center:head", "fp16:center:head"),
+    ("int2:asym:mse", "mse takes sym"), ("int4:channel:mse", "mse takes sym"),
+    ("fp8:mse", "mse takes sym"), ("int2:mse:mse", "mse given twice"),
 ])
 def test_malformed_specs(spec, bad):
     with pytest.raises(SpecError) as e:
@@ -356,3 +369,33 @@ def test_check_head_dim():
             QuantParams.parse(spec).check(hd)
     with pytest.raises(SpecError):
         QuantParams("int8", "group", 0)
+
+
+@pytest.mark.parametrize("spec", ["int2:mse", "int2:g32:mse", "int4:g16:mse", "int8:mse"])
+def test_mse_scale_is_the_clip_that_loses_least(spec):
+    """Each group's mse scale is, among its absmax clipped by every MSE_CLIPS fraction and stored
+    by the plain format's quantize, the one whose round trip loses least; clipping saturates
+    nothing that counts; at 2 bits it loses far less than the absmax."""
+    p = QuantParams.parse(spec)
+    plain = QuantParams(p.dtype, p.gran, p.group)
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(2, 40, 64, generator=gen) * torch.logspace(-1, 1, 64)[torch.randperm(64,
+                                                                            generator=gen)]
+    x[0, 0, 3] = 30.0  # an outlier
+    x[1, 2] = 0.0  # an all-zero group: every clip loses nothing, the first is kept
+    G = p.ngroups(64)
+
+    def lost(scale):  # (2, 40, G) squared error per group, in float64
+        q, _ = quantize(x, plain, scale, None)
+        y = dequantize(q, plain, scale, None)
+        return (y.double() - x.double()).square().unflatten(-1, (G, -1)).sum(-1)
+
+    absmax = x.abs().unflatten(-1, (G, -1)).amax(-1)  # (2, 40, G)
+    each = torch.stack([lost(cast_up(absmax * torch.tensor(c) / p.qmax, torch.float16))
+                        for c in MSE_CLIPS])  # (clips, 2, 40, G)
+    scale, zero = compute_scales(x, p)
+    assert zero is None and torch.equal(lost(scale), each.min(0).values)
+    assert torch.equal(scale[1, 2], cast_up(absmax[1, 2] / p.qmax, torch.float16))
+    assert quantize(x, p, scale, None)[1] == 0
+    if p.dtype == "int2":  # rotated-like groups: ~60% of the absmax is the best 2-bit clip
+        assert lost(scale).sum() < 0.7 * each[0].sum()

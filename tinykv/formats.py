@@ -2,7 +2,8 @@
 parse, canonical str and the quantities every other module derives from it (bits, codes per
 byte, qmax, offset, scale shapes). The grammar is in DESIGN.md and the README.
 
-PART := DTYPE [":" GRAN] [":" sym|asym] [":" static|dynamic] [":rot"] [":center"] [":smooth"]
+PART := DTYPE [":" GRAN] [":" sym|asym] [":" static|dynamic] [":mse"] [":rot"] [":center"]
+        [":smooth"]
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ def _default_gran(dtype: str) -> str:
     return "tensor"
 
 
-def _problem(dtype: str, gran: str, group: int, sym: bool, static: bool) -> str | None:
+def _problem(dtype: str, gran: str, group: int, sym: bool, static: bool,
+             mse: bool = False) -> str | None:
     """Why these fields are no valid format, or None; shared by parse and the constructor."""
     if dtype not in DTYPES:
         return f"unknown dtype {dtype!r} (expected one of {', '.join(DTYPES)})"
@@ -48,6 +50,8 @@ def _problem(dtype: str, gran: str, group: int, sym: bool, static: bool) -> str 
         return "fp8 supports sym only"
     if static and gran in ("token", "group"):
         return f"static needs tensor/head/channel scales (per-{gran} scales cannot be calibrated)"
+    if mse and (dtype not in ("int8", "int4", "int2") or not sym or gran not in ("token", "group")):
+        return "mse takes sym int8/int4/int2 with per-token or per-group (gN) scales"
     return None
 
 
@@ -59,7 +63,7 @@ def _option_key(opt: str) -> str | None:
         return "sym"
     if opt in ("static", "dynamic"):
         return "static"
-    if opt in TRANSFORMS:
+    if opt == "mse" or opt in TRANSFORMS:
         return opt
     return None
 
@@ -70,13 +74,17 @@ class QuantParams:
     `rot`: a seeded orthogonal rotation per KV head before quantizing (rotation_matrix).
     `center`: a calibrated per-channel mean subtracted before storing (quant.Transform).
     `smooth` (keys only): a calibrated per-head linear map on keys, its inverse on queries, that
-    puts the keys' quantization error where queries look least (quant.Transform)."""
+    puts the keys' quantization error where queries look least (quant.Transform).
+    `mse`: each group's scale is the one, among its absmax shrunk by each of quant.MSE_CLIPS,
+    whose round trip loses the least squared error (a 2-bit group of rotated values does best
+    clipped to ~60% of its absmax; the clipped values saturate by design)."""
 
     dtype: str
     gran: str = ""  # tensor | head | channel | token | group; "" = the dtype's default
     group: int = 0  # channels per group when gran == "group", else 0
     sym: bool = True
     static: bool = False
+    mse: bool = False
     rot: bool = False
     center: bool = False
     smooth: bool = False
@@ -85,14 +93,14 @@ class QuantParams:
         if not self.gran:
             object.__setattr__(self, "gran", _default_gran(self.dtype))
         # Every instance is valid and canonical, so str() always round-trips through parse().
-        why = _problem(self.dtype, self.gran, self.group, self.sym, self.static)
+        why = _problem(self.dtype, self.gran, self.group, self.sym, self.static, self.mse)
         if why:
             raise spec_error(str(self), why)
 
     @classmethod
     def parse(cls, part: str, spec: str | None = None) -> QuantParams:
-        """Parse 'DTYPE[:GRAN][:sym|asym][:static|dynamic][:rot][:center][:smooth]' (no k=/v=
-        prefix)."""
+        """Parse 'DTYPE[:GRAN][:sym|asym][:static|dynamic][:mse][:rot][:center][:smooth]' (no
+        k=/v= prefix)."""
         spec = part if spec is None else spec
         dtype, *opts = (t.strip() for t in part.split(":"))
         if dtype in _FLOAT and not set(opts) <= set(TRANSFORMS):
@@ -103,17 +111,18 @@ class QuantParams:
             key = _option_key(o)
             if key is None:
                 raise spec_error(spec, f"unknown option {o!r} (expected {'|'.join(GRANS)}|gN, "
-                            f"sym|asym, static|dynamic, {_TRANSFORMS})", part)
+                            f"sym|asym, static|dynamic, mse, {_TRANSFORMS})", part)
             if key in kw:
                 raise spec_error(spec, f"{key} given twice", part)
-            kw[key] = o if key == "gran" else o in ("sym", "static", *TRANSFORMS)
+            kw[key] = o if key == "gran" else o in ("sym", "static", "mse", *TRANSFORMS)
         gran, group = kw.get("gran", _default_gran(dtype)), 0
         if gran not in GRANS:  # gN
             digits = gran[1:]
             if not (digits.isascii() and digits.isdigit() and int(digits) > 0):
                 raise spec_error(spec, f"bad group size {gran!r} (expected gN with N > 0)", part)
             gran, group = "group", int(digits)
-        fields = (dtype, gran, group, kw.get("sym", True), kw.get("static", False))
+        fields = (dtype, gran, group, kw.get("sym", True), kw.get("static", False),
+                  kw.get("mse", False))
         why = _problem(*fields)
         if why:
             raise spec_error(spec, why, part)
@@ -129,6 +138,8 @@ class QuantParams:
             out += ":asym"
         if self.static:
             out += ":static"
+        if self.mse:
+            out += ":mse"
         if self.rot:
             out += ":rot"
         if self.center:

@@ -18,6 +18,12 @@ import torch
 
 from .spec import FP8_MAX, KVSpec, QuantParams, SpecError
 
+# The fractions of a group's absmax that an `mse` format tries as its clip (formats.QuantParams),
+# largest first (a tie keeps the larger): float32, as every store multiplies by them.
+MSE_CLIP_DIVISOR = 20  # clip i is 1 - i / MSE_CLIP_DIVISOR
+MSE_CLIPS = tuple(float(torch.tensor(1 - i / MSE_CLIP_DIVISOR, dtype=torch.float32))
+                  for i in range(13))
+
 # Dims reduced over the grouped view (..., H, T, G, D // G); the last one is squeezed afterwards.
 _REDUCE = {"token": (-1,), "group": (-1,), "channel": (-3, -1), "head": (-3, -1),
            "tensor": (-4, -3, -1)}
@@ -184,6 +190,8 @@ def compute_scales(x: torch.Tensor, p: QuantParams, scale_dtype: torch.dtype = t
     dims, fin = _REDUCE[p.gran], xg.isfinite()
     if p.sym:
         amax = xg.abs().where(fin, 0.0).amax(dims, keepdim=True).squeeze(-1)
+        if p.mse:
+            return _least_error_scales(xg, fin, amax, p, scale_dtype), None
         return cast_up(amax / p.qmax, scale_dtype), None
     mn = xg.where(fin, float("inf")).amin(dims, keepdim=True).squeeze(-1)
     mx = xg.where(fin, float("-inf")).amax(dims, keepdim=True).squeeze(-1)
@@ -196,6 +204,28 @@ def compute_scales(x: torch.Tensor, p: QuantParams, scale_dtype: torch.dtype = t
     scale = cast_up(s, scale_dtype)
     zero = (-mn / scale.float()).round().clamp(-room, qmax + room)
     return scale, zero.to(scale_dtype)
+
+
+def _least_error_scales(xg: torch.Tensor, fin: torch.Tensor, amax: torch.Tensor, p: QuantParams,
+                        scale_dtype: torch.dtype) -> torch.Tensor:
+    """Per group, the scale among cast_up(amax * clip / qmax), clip in MSE_CLIPS, whose round trip
+    loses the least squared error over the group's finite values (summed in float64, so every
+    store sums the same errors to the same choice); xg (..., G, D // G), amax (..., G)."""
+    lo, hi = p.qmin + p.offset, p.qmax + p.offset
+    x = xg.where(fin, 0.0)  # (..., G, D // G) non-finite values take no part in the error
+    best, least = None, None
+    for clip in MSE_CLIPS:
+        scale = cast_up(amax * torch.tensor(clip) / p.qmax, scale_dtype)  # (..., G)
+        s = scale.float().unsqueeze(-1)  # (..., G, 1)
+        codes = (x / s + p.offset).round().clamp(lo, hi)  # as quantize stores them
+        lost = (((codes - p.offset) * s).double() - x.double()).where(fin, 0.0)  # (..., G, D//G)
+        err = lost.square().sum(-1)  # (..., G)
+        if best is None:
+            best, least = scale, err
+            continue
+        better = err < least
+        best, least = torch.where(better, scale, best), torch.where(better, err, least)
+    return best
 
 
 def zero_room(p: QuantParams, scale_dtype: torch.dtype = torch.float16) -> int:
@@ -215,9 +245,10 @@ def quantize(x: torch.Tensor, p: QuantParams, scale: torch.Tensor | None,
              zero: torch.Tensor | None, count: bool = True) -> tuple[torch.Tensor, int]:
     """Quantize x (..., H, T, D) with the given (already cast) scale/zero -> (stored, n_saturated).
 
-    n_saturated counts values more than half a step outside the representable range (clamped)
-    and NaNs (stored as the code of 0); for float formats, finite values that overflow to inf.
-    count=False skips counting, which syncs the device.
+    n_saturated counts values more than half a step outside the representable range (clamped;
+    not for an mse format, whose scales clip by choice) and NaNs (stored as the code of 0); for
+    float formats, finite values that overflow to inf. count=False skips counting, which syncs
+    the device.
     """
     if p.is_float:
         q = x.to(p.storage_dtype)
@@ -234,7 +265,8 @@ def quantize(x: torch.Tensor, p: QuantParams, scale: torch.Tensor | None,
     else:
         v = v + _zero_point(p, zero)
         lo, hi = p.qmin + p.offset, p.qmax + p.offset
-        sat = (v < lo - 0.5) | (v > hi + 0.5)
+        # An mse scale clips its group's extremes by design: only NaNs count there.
+        sat = torch.zeros_like(nan) if p.mse else (v < lo - 0.5) | (v > hi + 0.5)
         codes = v.round().clamp(lo, hi).flatten(-2)  # (..., H, T, D)
         if p.storage_dtype == torch.int8:
             q = codes.to(torch.int8)

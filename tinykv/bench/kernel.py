@@ -68,6 +68,7 @@ AOT_VARIANTS = [
     Variant("store", "int4:g32", head_dim=128),
     Variant("store", "int4:channel:static:asym", head_dim=80),
     Variant("store", "int2:g8:asym", head_dim=64, dtype="bf16"),
+    Variant("store", "int2:g32:mse", head_dim=64),
     Variant("store", "int2:tensor:static", head_dim=128),
     Variant("store", "fp8:token", head_dim=80),
     Variant("store", "fp8:tensor:static", head_dim=64, dtype="bf16"),

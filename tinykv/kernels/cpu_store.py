@@ -15,7 +15,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ..quant import zero_room
+from ..quant import MSE_CLIPS, zero_room
 from ..spec import FP8_MAX, QuantParams
 from .cpu_args import NO_SCALES, as_index, pool_arrays
 from .cpu_numerics import (
@@ -42,6 +42,7 @@ class StoreArgs(NamedTuple):
     limits: tuple  # (qmax, lowest code, highest code, slack, zero room, tiny, big), each a
     # float32 value as a Python float
     dynamic: bool  # scales computed per token (not static, not a float format)
+    mse: bool  # each group's scale the least-error clip of its absmax (quant.MSE_CLIPS)
 
 
 def store_args(p: QuantParams, data: torch.Tensor, scale: torch.Tensor | None,
@@ -64,13 +65,36 @@ def store_args(p: QuantParams, data: torch.Tensor, scale: torch.Tensor | None,
     slack = 0.0 if fp8 else 0.5  # a code rounds into range from half a step outside it
     limits = tuple(float(np.float32(c)) for c in (p.qmax, lo, hi, slack, room, fi.tiny, fi.max))
     return StoreArgs(fmt=tuple(fmt), arrays=arrays, block_size=BS, limits=limits,
-                     dynamic=dynamic)
+                     dynamic=dynamic, mse=p.mse)
+
+
+@kernel(error_model="numpy")
+def least_error_scale(xs, amax, qmax, offset, lo, hi, scale_code, tiny, big):
+    """quant._least_error_scales for one group xs: the half bits of the scale, among
+    cast_up(amax * clip / qmax) for each clip in MSE_CLIPS, that loses the least squared error
+    (float64 sums, the first of equals kept)."""
+    best = 0
+    least = np.inf
+    for clip in MSE_CLIPS:
+        bits = cast_up(amax * np.float32(clip) / qmax, scale_code, tiny, big)
+        s = from_half(bits, scale_code)
+        err = 0.0
+        for xv in xs:
+            if abs(xv) < np.inf:  # NaN and Inf take no part
+                code = np.rint(min(max(xv / s + offset, lo), hi))
+                lost = np.float64((code - offset) * s) - np.float64(xv)
+                err += lost * lost
+        if err < least:
+            best = bits
+            least = err
+    return best
 
 
 @kernel(error_model="numpy")  # IEEE division: no zero checks
-def compiled_store(x, blk, off, fmt, pool, BS, limits, dynamic):
+def compiled_store(x, blk, off, fmt, pool, BS, limits, dynamic, mse):
     """Quantize x (n, H, D) float32 into `pool` at rows (blk[i], h, off[i]), op for op as
-    quant.compute_scales + quant.quantize; returns the count of saturated values and NaNs."""
+    quant.compute_scales + quant.quantize; returns the count of saturated values and NaNs
+    (for an mse format, of NaNs: its scales clip by choice)."""
     code, bits, scale_kind, scale_code, has_zero, offset = fmt
     codes, scales, zeros, block_stride, head_stride, token_stride, group_stride, gs = pool
     # float32 as store_args rounded them (numba dispatches a tuple of Python floats faster)
@@ -103,7 +127,10 @@ def compiled_store(x, blk, off, fmt, pool, BS, limits, dynamic):
                     for xv in xs:
                         if abs(xv) < np.inf:  # NaN and Inf are ignored
                             mn, mx, amax = min(mn, xv), max(mx, xv), max(amax, abs(xv))
-                    if not has_zero:
+                    if mse:
+                        scales[at] = least_error_scale(xs, amax, qmax, np.float32(offset), lo,
+                                                       hi, scale_code, tiny, big)
+                    elif not has_zero:
                         scales[at] = cast_up(amax / qmax, scale_code, tiny, big)
                     else:
                         if mn > mx:  # no finite value
@@ -120,7 +147,7 @@ def compiled_store(x, blk, off, fmt, pool, BS, limits, dynamic):
                     nan = xv != xv
                     v = (np.float32(0.0) if nan else xv) / scale  # divide, not multiply: ties
                     v = v if code == FP8 else v + np.float32(zero)  # fp8 keeps -0.0's sign
-                    count += nan or v < lo - slack or v > hi + slack
+                    count += nan or (not mse and (v < lo - slack or v > hi + slack))
                     v = min(max(v, lo), hi)
                     out[g * gs + c] = to_fp8(v) if code == FP8 else np.int64(np.rint(v))
             for e in range(D // pb):  # element pb*e + j at bit j * (8 // pb)
@@ -132,12 +159,12 @@ def compiled_store(x, blk, off, fmt, pool, BS, limits, dynamic):
 
 
 @kernel(error_model="numpy")
-def compiled_store_pair(k_rows, v_rows, blk, off, k_fmt, k_pool, k_limits, k_dynamic, v_fmt,
-                        v_pool, v_limits, v_dynamic, BS):
+def compiled_store_pair(k_rows, v_rows, blk, off, k_fmt, k_pool, k_limits, k_dynamic, k_mse,
+                        v_fmt, v_pool, v_limits, v_dynamic, v_mse, BS):
     """compiled_store of a layer's keys, then of its values, in one call (a decode step's
     direct path: one dispatch, and blk, off and BS unboxed once, for both)."""
-    return (compiled_store(k_rows, blk, off, k_fmt, k_pool, BS, k_limits, k_dynamic)
-            + compiled_store(v_rows, blk, off, v_fmt, v_pool, BS, v_limits, v_dynamic))
+    return (compiled_store(k_rows, blk, off, k_fmt, k_pool, BS, k_limits, k_dynamic, k_mse)
+            + compiled_store(v_rows, blk, off, v_fmt, v_pool, BS, v_limits, v_dynamic, v_mse))
 
 
 def quantize_store_cpu(x: torch.Tensor, p: QuantParams, data: torch.Tensor,
@@ -159,4 +186,4 @@ def store_rows(x: torch.Tensor, blk: np.ndarray, off: np.ndarray, args: StoreArg
         return 0
     rows = x.numpy() if x.dtype is torch.float32 else x.float().numpy()  # strided views stay so
     return int(compiled_store(rows, blk, off, args.fmt, args.arrays, args.block_size,
-                              args.limits, args.dynamic))
+                              args.limits, args.dynamic, args.mse))

@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import torch
 
-from ..quant import zero_room
+from ..quant import MSE_CLIP_DIVISOR, MSE_CLIPS, zero_room
 from ..spec import FP8_MAX, QuantParams
 from .layout import PoolLayer
 from .triton import _i32, _jit, _pool_args, tl, triton
+
+# quant.MSE_CLIPS, as a kernel may read them: clip i is 1 - i / _CLIP_DIVISOR, rounded to float32
+_N_CLIPS = tl.constexpr(len(MSE_CLIPS))
+_CLIP_DIVISOR = tl.constexpr(MSE_CLIP_DIVISOR)
 
 
 @_jit
@@ -43,6 +47,29 @@ def _fp8_bits(v):
 
 
 @_jit
+def _least_error_scale(xv, in_g, use, amax, qmax, offset, code_min, code_max, tiny, big,
+                       DT: tl.constexpr):
+    """quant._least_error_scales for the groups of one row: per group (GP,), the scale in DT among
+    cast_up(amax * clip / qmax), clip in MSE_CLIPS, whose round trip loses the least squared
+    error over the values `use` marks (float64 sums; the first of equals kept)."""
+    best = tl.zeros_like(amax).to(DT)  # (GP,) replaced at the first clip: errors are finite
+    least = tl.full(amax.shape, float("inf"), tl.float64)  # (GP,)
+    for i in tl.static_range(_N_CLIPS):
+        clip = 1 - i / _CLIP_DIVISOR  # a constant, float32 in the product
+        sc = _cast_up(tl.math.div_rn(amax * clip, qmax), tiny, big, DT)  # (GP,)
+        s_el = tl.sum(tl.where(in_g, sc.to(tl.float32)[:, None, None], 0.0), 0)  # (CP, PB)
+        v = tl.math.div_rn(xv, tl.where(use, s_el, 1.0)) + offset  # (CP, PB)
+        code = _rint(tl.minimum(tl.maximum(v, code_min), code_max))  # (CP, PB)
+        lost = ((code - offset) * s_el).to(tl.float64) - xv.to(tl.float64)  # (CP, PB)
+        lost = tl.where(use, lost, 0.0)
+        err = tl.sum(tl.sum(tl.where(in_g, (lost * lost)[None], 0.0), 2), 1)  # (GP,)
+        better = err < least
+        best = tl.where(better, sc, best)
+        least = tl.where(better, err, least)
+    return best
+
+
+@_jit
 def _store_kernel(
         x, x_stride_n, x_stride_head, blk_ids, offs, count,
         qmax, code_min, code_max, slack, zero_room, scale_tiny, scale_big,
@@ -50,6 +77,7 @@ def _store_kernel(
         scale_stride_block, scale_stride_head, scale_stride_token, scale_stride_group,
         offset,
         KIND: tl.constexpr, BITS: tl.constexpr, HAS_ZERO: tl.constexpr, DYNAMIC: tl.constexpr,
+        MSE: tl.constexpr,
         GROUP_SIZE: tl.constexpr, PB: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
         D: tl.constexpr, CP: tl.constexpr):
     """Token i, head h: quantize one row of D channels and store its codes (and scales)."""
@@ -85,10 +113,16 @@ def _store_kernel(
                 reach = tl.maximum(tl.math.div_rn(mn, zero_room),
                                    tl.math.div_rn(-mn, qmax + zero_room))  # (GP,)
                 s = tl.maximum(span, reach)  # (GP,)
+                sc = _cast_up(s, scale_tiny, scale_big, scale.dtype.element_ty)  # (GP,)
             else:
                 amax = tl.max(tl.max(tl.where(sel, tl.abs(xv)[None], 0.0), 2), 1)  # (GP,)
-                s = tl.math.div_rn(amax, qmax)  # (GP,)
-            sc = _cast_up(s, scale_tiny, scale_big, scale.dtype.element_ty)  # (GP,)
+                if MSE:
+                    sc = _least_error_scale(xv, in_g, in_row & finite, amax, qmax, offset,
+                                            code_min, code_max, scale_tiny, scale_big,
+                                            scale.dtype.element_ty)  # (GP,)
+                else:
+                    s = tl.math.div_rn(amax, qmax)  # (GP,)
+                    sc = _cast_up(s, scale_tiny, scale_big, scale.dtype.element_ty)  # (GP,)
             tl.store(scale + s_at + g * scale_stride_group, sc, mask=g < G)
             s_el = tl.sum(tl.where(in_g, sc.to(tl.float32)[:, None, None], 0.0), 0)  # (CP, PB)
             if HAS_ZERO:
@@ -111,7 +145,10 @@ def _store_kernel(
                 v = v + z_el
             else:
                 v = v + offset
-        sat = (nan | (v < code_min - slack) | (v > code_max + slack)) & in_row  # (CP, PB)
+        sat = nan | (v < code_min - slack) | (v > code_max + slack)  # (CP, PB)
+        if MSE:  # its scales clip by choice: only NaNs count
+            sat = nan
+        sat = sat & in_row
         tl.atomic_add(count, tl.sum(tl.sum(sat.to(tl.int32), 1), 0))
         v = tl.minimum(tl.maximum(v, code_min), code_max)  # (CP, PB)
         if KIND == 2:
@@ -152,7 +189,7 @@ def _store_args(x: torch.Tensor, p: QuantParams, data: torch.Tensor, scale: torc
         zero_room=float(zero_room(p, scale_dtype)),
         scale_tiny=fi.tiny, scale_big=fi.max,
         **{name: value for name, value in pa.kernel_args().items() if name != "STATIC"},
-        DYNAMIC=not p.static, PB=p.per_byte, G=G, GP=triton.next_power_of_2(G), D=D,
+        DYNAMIC=not p.static, MSE=p.mse, PB=p.per_byte, G=G, GP=triton.next_power_of_2(G), D=D,
         CP=triton.next_power_of_2(D // p.per_byte))
 
 
