@@ -26,6 +26,7 @@ SMOLLM2 = Config(n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64, dim=576)
     # 16 sink tokens and 64 window tokens of 8192 at fp32, the rest at 4.25 bits
     ("int4:rot,residual=64,sink=16", ((8192 - 80) * 4.25 + 80 * 32) / 8192),
     ("int4,sink=1", ((8192 - 16) * 4.25 + 16 * 32) / 8192),  # a sink rounds up to a block
+    ("int4:rot,residual=64,sink=16,hot=fp16", ((8192 - 80) * 4.25 + 80 * 16) / 8192),
     # 2 of 30 layers' K at int8 (8.25 bits), the rest int2:g32
     ("int2:g32,k@0:29=int8", (58 * 2.5 + 2 * 8.25) / 60),
     ("int4,skip=0", (58 * 4.25 + 2 * 32) / 60),
@@ -38,7 +39,7 @@ def test_bits_per_element_all_in(spec, want):
 def test_format_budget_leaves_the_exact_tokens_out():
     """format_budget inverts bits_per_element: the parts of a spec storing B bits per element
     all in sum to format_budget(B)."""
-    for spec in ("int2:g32,residual=64,sink=16", "k=int4,v=int2:g64,residual=128"):
+    for spec in ("int2:g32,residual=64,sink=16", "k=int4,v=int2:g64,residual=128,hot=bf16"):
         kv = KVSpec.parse(spec)
         bits = budget.bits_per_element(SMOLLM2, kv, 8192)
         parts = sum(sensitivity.part_bits(SMOLLM2, p) for pair in kv.layer_parts(30) for p in pair)
@@ -214,3 +215,6 @@ def test_saved_sensitivities_keep_their_observer(tmp_path):
     assert sensitivity.load(tmp_path / "d.json", base, "minmax") == [dynamic]
     with pytest.raises(ValueError, match="residual=64, sink=16"):
         sensitivity.load(tmp_path / "s.json", KVSpec.parse("fp16"), "percentile:99")
+    with pytest.raises(ValueError, match="hot=the model dtype, not those"):
+        sensitivity.load(tmp_path / "s.json", KVSpec.parse("fp16,residual=64,sink=16,hot=fp16"),
+                         "percentile:99")

@@ -264,3 +264,19 @@ def test_plan_tensors_keep_version_counts_under_inference_mode():
         tensors += [t for index in plan.slots.values() for t in index if torch.is_tensor(t)]
         assert not any(t.is_inference() for t in tensors)
         m(torch.tensor([1, 2, 3]), plan)  # the model's own ops stay under inference_mode
+
+
+def test_hot_pool_holds_its_dtype():
+    """hot=fp16 holds the sinks, the window and filling blocks in fp16 (half the bytes of an fp32
+    model's): with an fp16 store every key and value is then fp16, as in a windowless fp16
+    cache, where the model's dtype in the hot pool gives other logits."""
+    m = tiny()
+    seq = {0: torch.randint(0, 128, (70,), generator=torch.Generator().manual_seed(3)).tolist()}
+    want = run_cached(m, cache_for(m, "fp16", blocks=16), seq, chunk=7)[0]
+    windowed = cache_for(m, "fp16,residual=16,sink=8,hot=fp16", blocks=16)
+    assert windowed.pools.hot.dtype == torch.float16
+    assert cache_for(m, "fp16,residual=16,sink=8", blocks=16).pools.hot.dtype == torch.float32
+    got = run_cached(m, windowed, seq, chunk=7)[0]
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    fp32_hot = run_cached(m, cache_for(m, "fp16,residual=16,sink=8", blocks=16), seq, chunk=7)[0]
+    assert (fp32_hot - want).abs().max() > 1e-4  # the test can tell the hot pool's dtype

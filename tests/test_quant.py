@@ -309,7 +309,8 @@ def parts(draw):
 # The prefixes of a spec's parts, in order ("" is a part without k=/v=).
 LAYOUTS = [("",), ("", "k="), ("", "v="), ("", "k=", "v="), ("", "v=", "k="), ("k=", "v="),
            ("v=", "k=")]
-OPTS = ["", "residual=0", "residual=64", "sink=4", "residual=8,sink=2", "sink=1,residual=3"]
+OPTS = ["", "residual=0", "residual=64", "sink=4", "residual=8,sink=2", "sink=1,residual=3",
+        "residual=64,sink=16,hot=fp16", "hot=bf16"]
 
 
 def layout_lists(layout: tuple[str, ...]) -> st.SearchStrategy:
@@ -327,8 +328,9 @@ def test_spec_roundtrip(layout, texts, opts, spaces):
     assert KVSpec.parse(str(kv)) == kv and str(KVSpec.parse(str(kv))) == str(kv)
     assert kv.k == QuantParams.parse(named.get("k=", named.get("")))
     assert kv.v == QuantParams.parse(named.get("v=", named.get("")))
-    want = {k: int(n) for k, n in (o.split("=") for o in opts.split(",") if o)}
-    assert (kv.residual, kv.sink) == (want.get("residual", 0), want.get("sink", 0))
+    want = dict(o.split("=") for o in opts.split(",") if o)
+    assert (kv.residual, kv.sink) == (int(want.get("residual", 0)), int(want.get("sink", 0)))
+    assert kv.hot == want.get("hot", "")
 
 
 @given(st.text(st.sampled_from(list("kv=,: intfpbsymachelokgdr0123468x\n")), max_size=30))
@@ -354,6 +356,7 @@ def test_spec_fuzz_only_raises_spec_error(text):
     ("fp16:center:head", "fp16:center:head"),
     ("int2:asym:mse", "mse takes sym"), ("int4:channel:mse", "mse takes sym"),
     ("fp8:mse", "mse takes sym"), ("int2:mse:mse", "mse given twice"),
+    ("int8,hot=fp8", "hot= takes fp32|fp16|bf16"), ("int8,hot=fp16,hot=bf16", "hot given twice"),
 ])
 def test_malformed_specs(spec, bad):
     with pytest.raises(SpecError) as e:

@@ -2,8 +2,9 @@
 
 1. What a spec costs (`bits_per_element`): everything a sequence of `context` tokens stores, per
    cached element (one channel of one token's K or V, in one KV head of one layer): each layer's
-   data, scales and zero points, and the sink and residual tokens the cache holds at the model's
-   dtype (whole blocks, as it holds them). Static scales, stored once per layer, are not counted.
+   data, scales and zero points, and the sink and residual tokens the cache holds in its hot
+   pool (whole blocks, as it holds them, in the spec's hot= dtype or the model's). Static
+   scales, stored once per layer, are not counted.
 2. Sensitivity (sensitivity.py): the mean per-token KL divergence of the next-token
    distributions from the exact model's when only one layer's K (or V) is stored in a candidate
    format, measured on calibration text.
@@ -24,7 +25,7 @@ import torch
 
 from .calibrate import record, scales_from
 from .model import Config, Transformer
-from .pools import block_bytes
+from .pools import block_bytes, hot_dtype
 from .sensitivity import Sensitivity, part_bits, sensitivities
 from .spec import KVSpec, LayerPart, QuantParams, SpecError
 
@@ -39,8 +40,8 @@ class BudgetError(ValueError):
 
 
 def exact_tokens(spec: KVSpec, context: int, block_size: int = 16) -> int:
-    """Tokens of a `context`-token sequence the cache holds at the model's dtype: the sink
-    blocks and the residual window's blocks."""
+    """Tokens of a `context`-token sequence the cache holds unquantized (in its hot pool): the
+    sink blocks and the residual window's blocks."""
     blocks = math.ceil(spec.sink / block_size) + math.ceil(spec.residual / block_size)
     return min(context, blocks * block_size)
 
@@ -53,7 +54,7 @@ def bits_per_element(cfg: Config, spec: KVSpec, context: int, block_size: int = 
     elements = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim  # per token
     stored = block_bytes(cfg, spec, block_size, dtype) / block_size * 8 / elements
     exact = exact_tokens(spec, held, block_size)
-    return ((held - exact) * stored + exact * dtype.itemsize * 8) / held
+    return ((held - exact) * stored + exact * hot_dtype(spec, dtype).itemsize * 8) / held
 
 
 def parse_candidates(texts: list[str]) -> list[tuple[str, QuantParams]]:
@@ -82,7 +83,8 @@ def check_base(spec: KVSpec) -> None:
     """The spec --bits starts from gives the sinks and window; the formats are chosen here."""
     if spec.per_layer or spec.skip or spec.evict:
         raise BudgetError(f"calibrate --bits chooses every layer's formats: give --kv with "
-                          f"residual= and sink= only, e.g. fp16,residual=64,sink=16 (not '{spec}')")
+                          f"residual=, sink= and hot= only, e.g. fp16,residual=64,sink=16 (not "
+                          f"'{spec}')")
 
 
 def format_budget(cfg: Config, base: KVSpec, bits: float, context: int, block_size: int = 16,
@@ -90,7 +92,7 @@ def format_budget(cfg: Config, base: KVSpec, bits: float, context: int, block_si
     """The summed bits per element that every layer's K and V parts may spend, so that the
     whole spec stores at most `bits` per element at `context` (module docstring)."""
     exact = exact_tokens(base, context, block_size)
-    fixed = exact * dtype.itemsize * 8 / context  # what the exact tokens cost, per element
+    fixed = exact * hot_dtype(base, dtype).itemsize * 8 / context  # the exact tokens, per element
     if exact >= context or bits <= fixed:
         raise BudgetError(f"a budget of {bits} bits per element at {context} tokens leaves "
                           f"nothing for the formats: the sinks and window cost {fixed:.3f}")
@@ -178,7 +180,7 @@ def spec_of(base: KVSpec, chosen: dict[tuple[int, str], Sensitivity], n_layers: 
         both = which == "k" and groups.get(("v", p)) == layers
         per_layer.append(LayerPart("kv" if both else which, tuple(layers), p))
     return KVSpec(defaults["k"], defaults["v"], residual=base.residual, sink=base.sink,
-                  per_layer=tuple(per_layer))
+                  hot=base.hot, per_layer=tuple(per_layer))
 
 
 def table(chosen: dict[tuple[int, str], Sensitivity], sens: list[Sensitivity],

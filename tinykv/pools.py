@@ -135,9 +135,11 @@ class KVPools:
         for g in self.groups:
             for local, layer in enumerate(g.layers):
                 self.where[layer] = (g, local)
-        self.hot = torch.zeros(2, L, n_hot, H, block_size, D, dtype=dtype, device=device)  # K, V
-        self.hot_views = [(PoolLayer(self.hot[0, i], None, None, full),
-                           PoolLayer(self.hot[1, i], None, None, full)) for i in range(L)]
+        hot = hot_dtype(spec, dtype)
+        self.hot = torch.zeros(2, L, n_hot, H, block_size, D, dtype=hot, device=device)  # K, V
+        as_hot = QuantParams(_FLOAT_NAMES[hot])
+        self.hot_views = [(PoolLayer(self.hot[0, i], None, None, as_hot),
+                           PoolLayer(self.hot[1, i], None, None, as_hot)) for i in range(L)]
         self.views = []  # per layer (K, V) as kernels read them, made once
         for layer in range(L):
             g, local = self.where[layer]
@@ -188,8 +190,8 @@ class KVPools:
         into store blocks, as they are into hot ones."""
         for pool, (idx, blk, off) in slots.items():
             if pool == HOT:
-                self.hot[0, layer, blk, :, off] = k[idx].to(self.dtype)
-                self.hot[1, layer, blk, :, off] = v[idx].to(self.dtype)
+                self.hot[0, layer, blk, :, off] = k[idx].to(self.hot.dtype)
+                self.hot[1, layer, blk, :, off] = v[idx].to(self.hot.dtype)
                 continue
             every = isinstance(idx, slice)  # all the step's tokens: no copy (an op each)
             for x, pl in zip((k, v), self.views[layer]):
@@ -271,6 +273,11 @@ def store_blocks(cfg: Config, spec: KVSpec, *, tokens: int | None, blocks: int |
     return blocks
 
 
+def hot_dtype(spec: KVSpec, dtype: torch.dtype) -> torch.dtype:
+    """What the hot pool holds its tokens in: the spec's hot= dtype, else the model's `dtype`."""
+    return QuantParams(spec.hot).storage_dtype if spec.hot else dtype
+
+
 def hot_blocks(spec: KVSpec, block_size: int, max_seqs: int, max_step_tokens: int) -> int:
     """Full-precision blocks a cache keeps: each sequence's sinks, residual window and tail, plus
     the blocks one step may fill before `commit` quantizes them, or, when larger, the blocks an
@@ -301,7 +308,8 @@ def check_fits(cfg: Config, spec: KVSpec, *, blocks: int, n_hot: int, block_size
     """Refuse, before allocating, a cache whose pools (the store and hot pools on the device, the
     host tier in CPU memory) the machine cannot hold."""
     per_block = block_bytes(cfg, spec, block_size, dtype)
-    hot_bytes = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * block_size * dtype.itemsize
+    hot_bytes = (2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * block_size
+                 * hot_dtype(spec, dtype).itemsize)
     check_memory(blocks * per_block + n_hot * hot_bytes, device)
     if host_blocks:  # the host tier lives in CPU memory
         check_memory(host_blocks * per_block, torch.device("cpu"))

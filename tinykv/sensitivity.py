@@ -4,7 +4,8 @@ layer's keys (or values) are stored in a candidate format (budget.py turns these
 On calibration text the model runs exactly, except at the lowered layer: its keys and values
 are transformed as the format asks (rot, center, smooth, calibrated on that text), quantized and
 dequantized with that format's scales (evaluate.as_stored), and read exact where a cache keeps
-them exact (the sink blocks, the residual window). The error is the mean per-token KL
+them exact (the sink blocks, the residual window; a hot= dtype's rounding of them, which every
+layer shares, is left to the end-to-end confirmation). The error is the mean per-token KL
 divergence from the exact model's distributions. Layers before the lowered one compute what they
 computed exactly, so each run resumes there. That a lowered layer is what a real cache with that
 layer in that format computes is a test (tests/test_budget.py).
@@ -49,7 +50,7 @@ def probe_spec(base: KVSpec, which: str, p: QuantParams) -> KVSpec:
     """Every layer's `which` in p, the other exact: what one candidate is calibrated with."""
     other = QuantParams("fp32")
     k, v = (p, other) if which == "k" else (other, p)
-    return KVSpec(k, v, residual=base.residual, sink=base.sink)
+    return KVSpec(k, v, residual=base.residual, sink=base.sink, hot=base.hot)
 
 
 @dataclass
@@ -180,8 +181,8 @@ def save(path: str | Path, sens: list[Sensitivity], base: KVSpec,
     observer of their static scales."""
     rows = [{"layer": s.layer, "which": s.which, "part": str(s.part), "bits": s.bits,
              "kl": s.kl} for s in sens]
-    text = json.dumps({"residual": base.residual, "sink": base.sink, "observer": observer,
-                       "sensitivities": rows})
+    text = json.dumps({"residual": base.residual, "sink": base.sink, "hot": base.hot,
+                       "observer": observer, "sensitivities": rows})
     write_text(path, text + "\n")
 
 
@@ -194,9 +195,11 @@ def load(path: str | Path, base: KVSpec, observer: str = "minmax") -> list[Sensi
                             bits=r["bits"], kl=r["kl"]) for r in saved["sensitivities"]]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{path}: not a sensitivities file ({e})") from None
-    if (saved["residual"], saved["sink"]) != (base.residual, base.sink):
+    was_hot = saved.get("hot", "")
+    if (saved["residual"], saved["sink"], was_hot) != (base.residual, base.sink, base.hot):
         raise ValueError(f"{path} was measured with residual={saved['residual']}, "
-                         f"sink={saved['sink']}, not those of '{base}'")
+                         f"sink={saved['sink']}, hot={was_hot or 'the model dtype'}, not those "
+                         f"of '{base}'")
     was = saved.get("observer", "minmax")
     if was != observer and any(s.part.static for s in sens):
         raise ValueError(f"{path}'s static parts were measured with --observer {was}, "

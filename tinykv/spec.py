@@ -6,7 +6,7 @@ SPEC   := PART ("," PART)* ("," LPART)* ("," OPTION)*
 PART   := ["k=" | "v="] FORMAT                   (formats.py; a PART without k=/v= sets both)
 LPART  := ["k" | "v"] "@" LAYERS "=" FORMAT      (those layers' K, V or both in their own format)
 LAYERS := L | A-B (":" L | A-B)*                 (L may be negative: -1 is the last layer)
-OPTION := residual=N | sink=N | skip=LAYERS | evict=POLICY:N
+OPTION := residual=N | sink=N | hot=DTYPE | skip=LAYERS | evict=POLICY:N
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from .formats import (  # noqa: F401  (the spec's names stay importable from her
 )
 
 EVICT_POLICIES = ("streaming", "knorm", "snapkv", "h2o")
+HOT_DTYPES = ("fp32", "fp16", "bf16")  # what hot= may hold the unquantized tokens in
 FP32 = QuantParams("fp32")
 
 
@@ -49,14 +50,16 @@ class LayerPart:
 @dataclass(frozen=True)
 class KVSpec:
     """A parsed KV spec: how K and V are stored (`k`, `v`; `per_layer` parts override them at
-    chosen layers); how many first (sink) and recent (residual) tokens stay in full precision;
-    which layers skip quantization (negative: from the end); and an eviction policy with its
-    token budget per sequence and KV head."""
+    chosen layers); how many first (sink) and recent (residual) tokens stay in full precision,
+    and in which float dtype the hot pool holds them (with blocks still filling: `hot`, "" for
+    the model's); which layers skip quantization (negative: from the end); and an eviction
+    policy with its token budget per sequence and KV head."""
 
     k: QuantParams
     v: QuantParams
     residual: int = 0
     sink: int = 0
+    hot: str = ""  # a dtype of HOT_DTYPES, or "" for the model's
     skip: tuple[int, ...] = ()
     evict: str = ""  # a policy of EVICT_POLICIES, or "" for none
     budget: int = 0  # tokens kept per sequence and KV head under `evict`
@@ -65,6 +68,8 @@ class KVSpec:
     def __post_init__(self) -> None:
         if min(self.residual, self.sink, self.budget) < 0:
             raise SpecError(f"bad KV spec {str(self)!r}: residual, sink and budgets must be >= 0")
+        if self.hot not in ("",) + HOT_DTYPES:
+            raise SpecError(f"bad KV spec {str(self)!r}: hot= takes {'|'.join(HOT_DTYPES)}")
         if bool(self.evict) != (self.budget > 0) or self.evict not in ("",) + EVICT_POLICIES:
             raise SpecError(f"bad KV spec {str(self)!r}: evict needs a policy and a budget > 0")
         if any(p.smooth for p in self.value_parts):
@@ -124,6 +129,8 @@ class KVSpec:
             out.append(f"residual={self.residual}")
         if self.sink:
             out.append(f"sink={self.sink}")
+        if self.hot:
+            out.append(f"hot={self.hot}")
         if self.skip:
             out.append("skip=" + layer_list(self.skip))
         if self.evict:
@@ -248,11 +255,16 @@ def _parse_layer_part(s: str, item: str, key: str, val: str) -> LayerPart:
 
 
 def _parse_option(s: str, item: str, key: str, val: str) -> dict:
-    """One OPTION of a spec (residual=N, sink=N, skip=L:L, evict=POLICY:N) as KVSpec fields."""
+    """One OPTION of a spec (residual=N, sink=N, hot=DTYPE, skip=L:L, evict=POLICY:N) as KVSpec
+    fields."""
     if key in ("residual", "sink"):
         if not (val.isascii() and val.isdigit()):
             raise spec_error(s, f"{key} needs an integer >= 0", item)
         return {key: int(val)}
+    if key == "hot":
+        if val not in HOT_DTYPES:
+            raise spec_error(s, f"hot= takes {'|'.join(HOT_DTYPES)}", item)
+        return {"hot": val}
     if key == "skip":
         return {"skip": _parse_layers(s, item, val)}
     if key == "evict":
@@ -263,5 +275,5 @@ def _parse_option(s: str, item: str, key: str, val: str) -> dict:
         if not (n.isascii() and n.isdigit() and int(n) > 0):
             raise spec_error(s, "evict needs a token budget > 0, e.g. evict=snapkv:1024", item)
         return {"evict": policy, "budget": int(n)}
-    raise spec_error(s, f"unknown option {key!r} (expected residual=N, sink=N, skip=L:L or "
-                     "evict=POLICY:N)", item)
+    raise spec_error(s, f"unknown option {key!r} (expected residual=N, sink=N, hot=DTYPE, "
+                     "skip=L:L or evict=POLICY:N)", item)
