@@ -114,6 +114,26 @@ def test_sensitivities_rank_formats():
         assert by[(layer, "v", "int4:rot")].bits == 4.25  # 4 bits, an fp16 scale per 64
 
 
+def test_sensitivity_nll_is_the_lowered_models_nll_increase():
+    """A part's NLL increase is the mean, over the probe's predictions, of the lowered model's
+    NLL of the next token less the exact model's (from lowered_logits, the real-cache-tested
+    simulation), signed."""
+    m = tiny()
+    with torch.no_grad():
+        m.lm_head.weight.mul_(6.0)
+    cands = budget.parse_candidates(["k=int2", "v=int2:g16"])
+    rec = record(m, TOKENS, window=len(TOKENS), keep_q=True)
+    spec = KVSpec.parse("fp32,residual=8")
+    sens = sensitivity.sensitivities(m, rec, TOKENS, spec, cands, window=len(TOKENS))
+    nexts = torch.tensor(TOKENS[1:])[:, None]
+    for s in sens:
+        ref, logits = lowered_logits(m, spec, s.layer, s.which, s.part, resume=True)
+        logp = logits.log_softmax(-1)
+        want = (ref[:-1].gather(1, nexts) - logp[:-1].gather(1, nexts)).mean().item()
+        assert s.nll == pytest.approx(want, rel=1e-4, abs=1e-7)
+    assert any(s.nll != 0 for s in sens)
+
+
 def brute_force(sens, n_layers, total):
     items = [(layer, w) for layer in range(n_layers) for w in "kv"]
     opts = [[s for s in sens if (s.layer, s.which) == it] for it in items]
@@ -206,7 +226,7 @@ def test_saved_sensitivities_keep_their_observer(tmp_path):
     static = Sensitivity(layer=0, which="k", part=QuantParams.parse("int2:channel:static"),
                          bits=2.0, kl=0.5)
     dynamic = Sensitivity(layer=0, which="v", part=QuantParams.parse("int2:g64"), bits=2.25,
-                          kl=0.1)
+                          kl=0.1, nll=-0.003)  # NLL increases are signed; static's unmeasured
     sensitivity.save(tmp_path / "s.json", [static, dynamic], base, "percentile:99")
     assert sensitivity.load(tmp_path / "s.json", base, "percentile:99") == [static, dynamic]
     with pytest.raises(ValueError, match="measured with --observer percentile:99, not minmax"):

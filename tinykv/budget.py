@@ -185,17 +185,18 @@ def spec_of(base: KVSpec, chosen: dict[tuple[int, str], Sensitivity], n_layers: 
 
 def table(chosen: dict[tuple[int, str], Sensitivity], sens: list[Sensitivity],
           n_layers: int) -> str:
-    """Per layer: K's and V's chosen part, its bits and KL, and the KL at the cheapest
-    candidate (how sensitive the layer is)."""
-    lines = [f"{'layer':>5}  {'K part':<28}{'bits':>5}{'KL':>9}{'KL@min':>9}  "
-             f"{'V part':<20}{'bits':>5}{'KL':>9}{'KL@min':>9}"]
+    """Per layer: K's and V's chosen part, its bits, KL and NLL increase, and the KL at the
+    cheapest candidate (how sensitive the layer is)."""
+    lines = [f"{'layer':>5}  {'K part':<28}{'bits':>5}{'KL':>9}{'NLL':>9}{'KL@min':>9}  "
+             f"{'V part':<20}{'bits':>5}{'KL':>9}{'NLL':>9}{'KL@min':>9}"]
     for layer in range(n_layers):
         cells = []
         for which, width in (("k", 28), ("v", 20)):
             s = chosen[(layer, which)]
             low = min((x for x in sens if (x.layer, x.which) == (layer, which)),
                       key=lambda x: (x.bits, x.kl))
-            cells.append(f"{str(s.part):<{width}}{s.bits:5.2f}{s.kl:9.1e}{low.kl:9.1e}")
+            nll = "" if s.nll is None else f"{s.nll:9.1e}"
+            cells.append(f"{str(s.part):<{width}}{s.bits:5.2f}{s.kl:9.1e}{nll:>9}{low.kl:9.1e}")
         lines.append(f"{layer:5d}  " + "  ".join(cells))
     return "\n".join(lines)
 

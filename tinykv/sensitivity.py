@@ -6,9 +6,11 @@ are transformed as the format asks (rot, center, smooth, calibrated on that text
 dequantized with that format's scales (evaluate.as_stored), and read exact where a cache keeps
 them exact (the sink blocks, the residual window; a hot= dtype's rounding of them, which every
 layer shares, is left to the end-to-end confirmation). The error is the mean per-token KL
-divergence from the exact model's distributions. Layers before the lowered one compute what they
-computed exactly, so each run resumes there. That a lowered layer is what a real cache with that
-layer in that format computes is a test (tests/test_budget.py).
+divergence from the exact model's distributions, and beside it the mean increase of the probe's
+own next tokens' negative log-likelihood (what perplexity reads; the two can part: clipped
+2-bit keys halve the KL of absmax ones and double the NLL increase). Layers before the lowered
+one compute what they computed exactly, so each run resumes there. That a lowered layer is what
+a real cache with that layer in that format computes is a test (tests/test_budget.py).
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ class Sensitivity:
     part: QuantParams
     bits: float  # stored bits per element of the part (data, scales, zero points)
     kl: float  # mean per-token KL(exact || lowered), nats
+    nll: float | None = None  # mean increase of the next token's NLL, nats (signed); None: not
+    # measured (saved before it was)
 
 
 def part_bits(cfg: Config, p: QuantParams, block_size: int = 16) -> float:
@@ -154,11 +158,14 @@ def sensitivities(model: Transformer, rec: Recorder, probe: list[int], base: KVS
         probes.append((which, p, layer_transforms(spec, L, D, scales), scales))
     dev = next(model.parameters()).device
     kl = np.zeros((L, len(probes)))
+    nll = np.zeros((L, len(probes)))
     wins = [probe[s:s + window] for s in range(0, len(probe), window)]
     bar = tqdm(total=len(wins) * L * len(probes), desc="sensitivity", disable=not progress)
     for win in wins:
         step = _Step(len(win), base, block_size, dev)
         ref, inputs = _exact_run(model, win, step)
+        nexts = torch.tensor(win[1:], device=dev)[:, None]  # (N - 1, 1) each prediction's token
+        ref_next = ref[:-1].gather(1, nexts)  # (N - 1, 1) the exact model's log-probabilities
         for layer in range(L):
             for c, (which, p, transforms, scales) in enumerate(probes):
                 k, v = (p, QuantParams("fp32")) if which == "k" else (QuantParams("fp32"), p)
@@ -166,12 +173,14 @@ def sensitivities(model: Transformer, rec: Recorder, probe: list[int], base: KVS
                                         scales=scales)
                 logp = _resume(model, inputs[layer], layer, step).log_softmax(-1)
                 kl[layer, c] += (ref.exp() * (ref - logp)).sum(-1).sum().item()
+                nll[layer, c] += (ref_next - logp[:-1].gather(1, nexts)).sum().item()
                 bar.update()
         step.lowered = None
     bar.close()
     kl /= sum(len(w) for w in wins)
+    nll /= max(1, sum(len(w) - 1 for w in wins))
     return [Sensitivity(layer=layer, which=which, part=p, bits=part_bits(model.cfg, p, block_size),
-                        kl=float(kl[layer, c]))
+                        kl=float(kl[layer, c]), nll=float(nll[layer, c]))
             for layer in range(L) for c, (which, p, _, _) in enumerate(probes)]
 
 
@@ -180,7 +189,7 @@ def save(path: str | Path, sens: list[Sensitivity], base: KVSpec,
     """Sensitivities as JSON, with the sinks and window they were measured under and the
     observer of their static scales."""
     rows = [{"layer": s.layer, "which": s.which, "part": str(s.part), "bits": s.bits,
-             "kl": s.kl} for s in sens]
+             "kl": s.kl, "nll": s.nll} for s in sens]
     text = json.dumps({"residual": base.residual, "sink": base.sink, "hot": base.hot,
                        "observer": observer, "sensitivities": rows})
     write_text(path, text + "\n")
@@ -192,7 +201,8 @@ def load(path: str | Path, base: KVSpec, observer: str = "minmax") -> list[Sensi
     try:
         saved = json.loads(Path(path).read_text())
         sens = [Sensitivity(layer=r["layer"], which=r["which"], part=QuantParams.parse(r["part"]),
-                            bits=r["bits"], kl=r["kl"]) for r in saved["sensitivities"]]
+                            bits=r["bits"], kl=r["kl"], nll=r.get("nll"))
+                for r in saved["sensitivities"]]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{path}: not a sensitivities file ({e})") from None
     was_hot = saved.get("hot", "")

@@ -330,8 +330,10 @@ def confirm_choice(args, model: Transformer, choice, probe: list[int], window: i
     change = 100 * (measured.ppl / measured.ref_ppl - 1)
     print(f"[tinykv] spec, {choice.bits:.3f} bits/element all in at {args.context} tokens: "
           f"{choice.spec}")
-    print(f"[tinykv] summed KL of its layers {choice.predicted_kl:.4f}; through the cache on the "
-          f"{measured.tokens} probe predictions (chunk 16): KL {measured.kl:.4f}, top-1 "
+    nlls = [s.nll for s in choice.chosen.values()]
+    nll = "" if None in nlls else f", NLL increase {sum(nlls):+.4f}"
+    print(f"[tinykv] summed KL of its layers {choice.predicted_kl:.4f}{nll}; through the cache on "
+          f"the {measured.tokens} probe predictions (chunk 16): KL {measured.kl:.4f}, top-1 "
           f"{measured.top1:.3f}, ppl {measured.ppl:.3f} ({change:+.2f}%)")
     wrote = f"{args.out} (its scales), " if choice.scales else "no scale file (none needed), "
     print(f"[tinykv] wrote {wrote}{plot}")
