@@ -140,7 +140,7 @@ def add_calibrate_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--plot", metavar="PNG", help="key/value magnitudes per channel (--bits: each "
                    "layer's errors and choice)")
     c.add_argument("--bits", type=float_range(1, 32), metavar="B", help="choose each layer's K/V "
-                   "format within B bits/element, all in; --kv gives residual= and sink=")
+                   "format within B bits/element, all in; --kv gives residual=, sink=, hot=")
     c.add_argument("--candidates", nargs="+", metavar="PART", help="--bits chooses from these: "
                    "k=FORMAT, v=FORMAT or FORMAT (default: 2- and 4-bit rotated, int8)")
     c.add_argument("--context", type=POSITIVE, default=8192, metavar="N",
@@ -149,7 +149,7 @@ def add_calibrate_parser(sub: argparse._SubParsersAction) -> None:
                    help="--bits measures each layer's error on the first N tokens")
     c.add_argument("--sensitivities-out", metavar="JSON", help="--bits: save the errors too")
     c.add_argument("--sensitivities-in", metavar="JSON",
-                   help="--bits: choose from saved errors (same residual= and sink=)")
+                   help="--bits: choose from saved errors (same residual=, sink=, hot=)")
     add_text_args(c, 8192)
     add_model_args(c)
     c.set_defaults(prog=c.prog)
