@@ -20,6 +20,7 @@ import math
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 from pools import ATTN_CASES, NB, make_batch, make_pool
@@ -408,6 +409,21 @@ def test_quantize_store_checks_layouts():
         quantize_store_cpu(x, p, data.transpose(1, 2).contiguous().transpose(1, 2), scale, zero,
                            blk, off)
     assert quantize_store_cpu(x[:0], p, data, scale, zero, blk[:0], off[:0]) == 0
+
+
+def test_mse_store_takes_its_clips_as_an_argument():
+    """The clips an mse store tries come with its arguments, not compiled in (a disk-cached
+    kernel would keep old ones): given the absmax alone, it stores the plain format's scales."""
+    p, plain = QuantParams.parse("int2:g16:mse"), QuantParams.parse("int2:g16")
+    x, _, data, scale, _, blk, off = store_inputs(p, 64, torch.Generator().manual_seed(5),
+                                                  torch.float16, torch.float32)
+    args = kernels_cpu.store_args(p, data, scale, None)._replace(clips=np.ones(1, np.float32))
+    kernels_cpu.store_rows(x, blk.numpy(), off.numpy(), args)
+    want = [t.clone() for t in (data, scale)]
+    quantize_store_ref(x, plain, *want, None, blk, off)
+    assert torch.equal(bits(scale), bits(want[1])) and torch.equal(data, want[0])
+    quantize_store_cpu(x, p, data, scale, None, blk, off)  # all of quant.MSE_CLIPS: others
+    assert not torch.equal(bits(scale), bits(want[1]))
 
 
 

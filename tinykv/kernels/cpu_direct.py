@@ -58,7 +58,7 @@ class LayerCalls(NamedTuple):
     """One layer's store and attention as DirectLayers calls them, converted once per cache."""
     store: Resolved  # cpu_store.compiled_store_pair: K and V in one call (the rows at 0 and 1)
     store_args: tuple  # its arguments after blk and off: each pool's (format, arrays, limits,
-    # dynamic, mse), K's then V's, and the block size (cpu_store.StoreArgs)
+    # dynamic, clips), K's then V's, and the block size (cpu_store.StoreArgs)
     attend: Resolved  # the serial attention kernel of this pair of formats (q at 2)
     attend_parallel: Resolved  # and the parallel one (q at 1)
     k_arrays: tuple  # cpu_args.PoolArrays of K, then V
@@ -151,8 +151,9 @@ def layer_calls(layers: list[tuple[PoolLayer, PoolLayer]],
         k_store, v_store = (store_args(pool.p, pool.data, pool.scale, pool.zero)
                             for pool in (k, v))
         assert k_store.block_size == v_store.block_size == BS, "K and V share the block table"
-        pair_args = (k_store.fmt, k_store.arrays, k_store.limits, k_store.dynamic, k_store.mse,
-                     v_store.fmt, v_store.arrays, v_store.limits, v_store.dynamic, v_store.mse, BS)
+        pair_args = (k_store.fmt, k_store.arrays, k_store.limits, k_store.dynamic, k_store.clips,
+                     v_store.fmt, v_store.arrays, v_store.limits, v_store.dynamic, v_store.clips,
+                     BS)
         calls.append(LayerCalls(Resolved(compiled_store_pair, 0, 1), pair_args,
                                 Resolved(serial, 2), Resolved(parallel, 1), k_arrays,
                                 v_arrays, H, BS))

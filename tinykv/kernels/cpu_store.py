@@ -42,7 +42,9 @@ class StoreArgs(NamedTuple):
     limits: tuple  # (qmax, lowest code, highest code, slack, zero room, tiny, big), each a
     # float32 value as a Python float
     dynamic: bool  # scales computed per token (not static, not a float format)
-    mse: bool  # each group's scale the least-error clip of its absmax (quant.MSE_CLIPS)
+    clips: np.ndarray  # (C,) float32: the fractions of a group's absmax an mse format tries
+    # (quant.MSE_CLIPS), an argument, not a global, so no compiled kernel keeps old ones; (0,)
+    # for other formats
 
 
 def store_args(p: QuantParams, data: torch.Tensor, scale: torch.Tensor | None,
@@ -65,18 +67,18 @@ def store_args(p: QuantParams, data: torch.Tensor, scale: torch.Tensor | None,
     slack = 0.0 if fp8 else 0.5  # a code rounds into range from half a step outside it
     limits = tuple(float(np.float32(c)) for c in (p.qmax, lo, hi, slack, room, fi.tiny, fi.max))
     return StoreArgs(fmt=tuple(fmt), arrays=arrays, block_size=BS, limits=limits,
-                     dynamic=dynamic, mse=p.mse)
+                     dynamic=dynamic, clips=np.array(MSE_CLIPS if p.mse else (), np.float32))
 
 
 @kernel(error_model="numpy")
-def least_error_scale(xs, amax, qmax, offset, lo, hi, scale_code, tiny, big):
+def least_error_scale(xs, amax, clips, qmax, offset, lo, hi, scale_code, tiny, big):
     """quant._least_error_scales for one group xs: the half bits of the scale, among
-    cast_up(amax * clip / qmax) for each clip in MSE_CLIPS, that loses the least squared error
+    cast_up(amax * clip / qmax) for each of `clips`, that loses the least squared error
     (float64 sums, the first of equals kept)."""
     best = 0
     least = np.inf
-    for clip in MSE_CLIPS:
-        bits = cast_up(amax * np.float32(clip) / qmax, scale_code, tiny, big)
+    for clip in clips:
+        bits = cast_up(amax * clip / qmax, scale_code, tiny, big)
         s = from_half(bits, scale_code)
         err = 0.0
         for xv in xs:
@@ -91,10 +93,10 @@ def least_error_scale(xs, amax, qmax, offset, lo, hi, scale_code, tiny, big):
 
 
 @kernel(error_model="numpy")  # IEEE division: no zero checks
-def compiled_store(x, blk, off, fmt, pool, BS, limits, dynamic, mse):
+def compiled_store(x, blk, off, fmt, pool, BS, limits, dynamic, clips):
     """Quantize x (n, H, D) float32 into `pool` at rows (blk[i], h, off[i]), op for op as
     quant.compute_scales + quant.quantize; returns the count of saturated values and NaNs
-    (for an mse format, of NaNs: its scales clip by choice)."""
+    (for an mse format, one with `clips`, of NaNs: its scales clip by choice)."""
     code, bits, scale_kind, scale_code, has_zero, offset = fmt
     codes, scales, zeros, block_stride, head_stride, token_stride, group_stride, gs = pool
     # float32 as store_args rounded them (numba dispatches a tuple of Python floats faster)
@@ -102,6 +104,7 @@ def compiled_store(x, blk, off, fmt, pool, BS, limits, dynamic, mse):
     slack, room = np.float32(limits[3]), np.float32(limits[4])
     tiny, big = np.float32(limits[5]), np.float32(limits[6])
     n, H, D = x.shape
+    mse = clips.shape[0] > 0
     pb = D // codes.shape[1]  # codes per stored element
     out = np.empty(D, np.int64)
     count = 0
@@ -128,8 +131,8 @@ def compiled_store(x, blk, off, fmt, pool, BS, limits, dynamic, mse):
                         if abs(xv) < np.inf:  # NaN and Inf are ignored
                             mn, mx, amax = min(mn, xv), max(mx, xv), max(amax, abs(xv))
                     if mse:
-                        scales[at] = least_error_scale(xs, amax, qmax, np.float32(offset), lo,
-                                                       hi, scale_code, tiny, big)
+                        scales[at] = least_error_scale(xs, amax, clips, qmax, np.float32(offset),
+                                                       lo, hi, scale_code, tiny, big)
                     elif not has_zero:
                         scales[at] = cast_up(amax / qmax, scale_code, tiny, big)
                     else:
@@ -159,12 +162,12 @@ def compiled_store(x, blk, off, fmt, pool, BS, limits, dynamic, mse):
 
 
 @kernel(error_model="numpy")
-def compiled_store_pair(k_rows, v_rows, blk, off, k_fmt, k_pool, k_limits, k_dynamic, k_mse,
-                        v_fmt, v_pool, v_limits, v_dynamic, v_mse, BS):
+def compiled_store_pair(k_rows, v_rows, blk, off, k_fmt, k_pool, k_limits, k_dynamic, k_clips,
+                        v_fmt, v_pool, v_limits, v_dynamic, v_clips, BS):
     """compiled_store of a layer's keys, then of its values, in one call (a decode step's
     direct path: one dispatch, and blk, off and BS unboxed once, for both)."""
-    return (compiled_store(k_rows, blk, off, k_fmt, k_pool, BS, k_limits, k_dynamic, k_mse)
-            + compiled_store(v_rows, blk, off, v_fmt, v_pool, BS, v_limits, v_dynamic, v_mse))
+    return (compiled_store(k_rows, blk, off, k_fmt, k_pool, BS, k_limits, k_dynamic, k_clips)
+            + compiled_store(v_rows, blk, off, v_fmt, v_pool, BS, v_limits, v_dynamic, v_clips))
 
 
 def quantize_store_cpu(x: torch.Tensor, p: QuantParams, data: torch.Tensor,
@@ -186,4 +189,4 @@ def store_rows(x: torch.Tensor, blk: np.ndarray, off: np.ndarray, args: StoreArg
         return 0
     rows = x.numpy() if x.dtype is torch.float32 else x.float().numpy()  # strided views stay so
     return int(compiled_store(rows, blk, off, args.fmt, args.arrays, args.block_size,
-                              args.limits, args.dynamic, args.mse))
+                              args.limits, args.dynamic, args.clips))
