@@ -145,10 +145,10 @@ def _store_kernel(
                 v = v + z_el
             else:
                 v = v + offset
-        sat = nan | (v < code_min - slack) | (v > code_max + slack)  # (CP, PB)
         if MSE:  # its scales clip by choice: only NaNs count
-            sat = nan
-        sat = sat & in_row
+            sat = nan & in_row  # (CP, PB)
+        else:
+            sat = (nan | (v < code_min - slack) | (v > code_max + slack)) & in_row  # (CP, PB)
         tl.atomic_add(count, tl.sum(tl.sum(sat.to(tl.int32), 1), 0))
         v = tl.minimum(tl.maximum(v, code_min), code_max)  # (CP, PB)
         if KIND == 2:
