@@ -56,14 +56,17 @@ def test_linear_cpu_within_the_float32_bound(dtype, rows, threads):
 @pytest.mark.parametrize("rows", [1, gemv.SLICED_MAX_ROWS, gemv.SLICED_MAX_ROWS + 1, 9, 16,
                                   gemv.TILE_MAX_ROWS + 1])
 @pytest.mark.parametrize("n", [1, 7, 8, 9, 17, 131])
-def test_every_output_row_in_every_loop(dtype, rows, n, threads):
+@pytest.mark.parametrize("k", [40, 64])
+def test_every_output_row_in_every_loop(dtype, rows, n, k, threads):
     """Each loop's blocks write every output row once, at any row count: the sliced loop's 8
     slices of ceil(n / 8) rows leave the last ones short or empty (n = 9: slices of 2, the fifth
     holds row 8 alone, the last three none), the tiles' and the eight-row loop's last block is
-    short; 9 and 16 rows take the tiles of 8 by 2 (gemv_tiles), whose two groups overlap at 9."""
-    gen = torch.Generator().manual_seed(n * 100 + rows)
-    w = torch.randn(n, 40, generator=gen).to(dtype)
-    x = torch.randn(rows, 40, generator=gen).to(dtype)
+    short; 9 and 16 rows take the tiles of 8 by 2 (gemv_tiles), whose two groups overlap at 9.
+    k = 64 channels, a multiple of 16, has no tail channels: full tiles write their sums
+    straight out (gemv_tiles), short ones take the general path."""
+    gen = torch.Generator().manual_seed(n * 100 + rows + k)
+    w = torch.randn(n, k, generator=gen).to(dtype)
+    x = torch.randn(rows, k, generator=gen).to(dtype)
     y = gemv.linear_cpu(x, w, reference=fused_linear)
     exact = x.double() @ w.double().T
     err = (y.double() - exact).abs()

@@ -127,6 +127,13 @@ def _pairs_block(x, w, y, first, count):
         for g in range(2):
             ahead = -1 if o + 2 >= n_out else (o + 2 + g) * k  # next tile's row g
             sums = _pair_sums(x, w, starts[g] * k, r0 * k, r1 * k, k, steps, ahead, 1)
+            # A whole tile and no tail channels: loops of constant bounds, which LLVM unrolls,
+            # so each sum leaves its lane directly (lanes picked at run time go via the stack).
+            if o + 1 < n_out and steps * LANES == k:
+                for i in range(PAIR_ROWS):
+                    y[starts[g] + i, o] = _lane(sums, i)
+                    y[starts[g] + i, o + 1] = _lane(sums, PAIR_ROWS + i)
+                continue
             for i in range(PAIR_ROWS):
                 row = starts[g] + i
                 for j in range(min(2, n_out - o)):
@@ -162,6 +169,11 @@ def _tiles_block(x, w, y, first, count):
                 ahead = -1
             sums = _tile_sums(x, w, _starts(g * GROUP, n_rows - 1, k), w_rows, steps, ahead,
                               per_step)
+            if (g + 1) * GROUP <= n_rows and o + GROUP <= n_out and steps * LANES == k:
+                for i in range(GROUP):  # a whole tile, no tail channels (as _pairs_block)
+                    for j in range(GROUP):
+                        y[g * GROUP + i, o + j] = _lane(sums, i * GROUP + j)
+                continue
             for i in range(min(GROUP, n_rows - g * GROUP)):
                 row = g * GROUP + i
                 for j in range(min(GROUP, n_out - o)):
