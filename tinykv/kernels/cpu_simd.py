@@ -332,10 +332,13 @@ if types is not None:
 
 
 
-@intrinsic
-def prefetch_lines(typingctx, arr, start, lines):
-    """Hint `lines` 64-byte lines from flat element `start` of a C-contiguous array into every
-    cache level (llvm.prefetch: never faults)."""
+@intrinsic(prefer_literal=True)
+def prefetch_lines(typingctx, arr, start, lines, level):
+    """Hint `lines` 64-byte lines from flat element `start` of a C-contiguous array into the
+    caches (llvm.prefetch: never faults). level, a constant: 3 every level down to L1
+    (prefetcht0), 2 L2 and below (prefetcht1)."""
+    locality = _literal(level)
+
     def codegen(context, builder, sig, args):
         data = _data(context, builder, sig.args[0], args[0])
         i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
@@ -345,6 +348,6 @@ def prefetch_lines(typingctx, arr, start, lines):
         count = context.cast(builder, args[2], sig.args[2], types.intp)
         with cgutils.for_range(builder, count) as loop:
             at = builder.gep(base, [builder.mul(loop.index, ir.IntType(64)(64))])
-            builder.call(fn, [at, i32(0), i32(3), i32(1)])
+            builder.call(fn, [at, i32(0), i32(locality), i32(1)])
         return context.get_dummy_value()
-    return types.none(arr, start, lines), codegen
+    return types.none(arr, start, lines, level), codegen

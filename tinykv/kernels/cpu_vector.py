@@ -77,6 +77,12 @@ TILE = 16  # keys scored together: one lane each in the score vector of a head
 # skip the rescale (a horizontal max, 2^x and a multiply of every sum) altogether.
 LAZY = np.float32(8.0)
 AHEAD = 2  # blocks between the one read and the one prefetched: one is too close to hide DRAM
+# Prefetched into L2, not L1 (prefetcht1, not t0): a line bound for L1 holds one of L1's few
+# fill buffers until it arrives, which caps the lines in flight; L2 tracks more misses at once.
+# Timed against t0 (the README's speed section): the integer formats gain, most where scales
+# change per block (KIVI-style), fp16 is unchanged; t0 prefetches of the next block on top of
+# these lost again.
+LEVEL = 2
 
 
 def takes(kf: PoolFormat, vf: PoolFormat, R: int, D: int, BS: int, k_groups: int) -> bool:
@@ -191,13 +197,14 @@ def vector_kernel(kf: PoolFormat, vf: PoolFormat, R: int, D: int, k_groups: int,
         """Start reading a block's codes of head h and, where they change per block, its scales
         (and zero points): a scale line missed per block costs a DRAM latency of its own."""
         codes, scales, zeros, b_stride, h_stride = pool[:5]
-        prefetch_lines(codes, (blk * H + h) * BS * row, (BS * row * codes.itemsize + 63) // 64)
+        prefetch_lines(codes, (blk * H + h) * BS * row, (BS * row * codes.itemsize + 63) // 64,
+                       LEVEL)
         if b_stride != 0:
             at = blk * b_stride + h * h_stride
             lines = ((h_stride if h_stride else b_stride) * scales.itemsize + 63) // 64 + 1
-            prefetch_lines(scales, at, lines)
+            prefetch_lines(scales, at, lines, LEVEL)
             if has_zero:
-                prefetch_lines(zeros, at, lines)
+                prefetch_lines(zeros, at, lines, LEVEL)
 
     @njit(forceinline=True)
     def attend_item(q, q_at, sm_scale, row, n_keys, lo, hi, h, H, BS, k, v, buf, q_words, o,
