@@ -16,7 +16,8 @@ What changes from the plain kernel, per tile of 16 keys of one KV head:
   the key's weight broadcast from memory, adds them into R x D accumulators. Where those do not
   fit the registers (AVX2) a tile's rows are unpacked once into L1 and summed a head at a time
   (`HEAD_BY_HEAD`).
-- The next block's codes, and its scales where they change per block, are prefetched.
+- A later block's scales (where they change per block) are prefetched when this block starts, its
+  codes a row per key this block reads, so the requests are spread over the work.
 
 It takes fp16, int8, int4 and int2 stores (per-token scales, or scales a block shares; per-token
 groups for values), blocks of a multiple of 16 tokens, and R x D up to 512 (the accumulators fill
@@ -77,11 +78,11 @@ TILE = 16  # keys scored together: one lane each in the score vector of a head
 # skip the rescale (a horizontal max, 2^x and a multiply of every sum) altogether.
 LAZY = np.float32(8.0)
 AHEAD = 2  # blocks between the one read and the one prefetched: one is too close to hide DRAM
-# Prefetched into L2, not L1 (prefetcht1, not t0): a line bound for L1 holds one of L1's few
-# fill buffers until it arrives, which caps the lines in flight; L2 tracks more misses at once.
-# Timed against t0 (the README's speed section): the integer formats gain, most where scales
-# change per block (KIVI-style), fp16 is unchanged; t0 prefetches of the next block on top of
-# these lost again.
+# Prefetched into L2, not L1 (prefetcht1, not t0), and a row's lines per key read, not a whole
+# block's at once: a prefetch waits for a free miss buffer, so a burst of them stalls the work
+# behind it, and a line bound for L1 holds one of L1's few buffers until it arrives. Each was
+# timed against the other way (the README's speed section); t0 prefetches of the next block on
+# top of these lost again.
 LEVEL = 2
 
 
@@ -135,6 +136,8 @@ def vector_kernel(kf: PoolFormat, vf: PoolFormat, R: int, D: int, k_groups: int,
     k_scales16, v_scales16 = scale_loader(kf.scale_code), scale_loader(vf.scale_code)
     k_row, v_row = D // planes(kf), D // planes(vf)  # stored elements a row
     k_planes, v_planes = planes(kf), planes(vf)
+    # bytes a row: fp16 codes 2 bytes an element, integer codes one byte of planes codes
+    k_row_bytes, v_row_bytes = (k_row * (2 if fmt.code == HALF else 1) for fmt in (kf, vf))
     k_gs, v_gs = D // k_groups, D // v_groups  # channels per scale
 
     @njit(forceinline=True)
@@ -194,11 +197,26 @@ def vector_kernel(kf: PoolFormat, vf: PoolFormat, R: int, D: int, k_groups: int,
 
     @njit(forceinline=True)
     def prefetch_block(pool, blk, h, H, BS, row, has_zero):
-        """Start reading a block's codes of head h and, where they change per block, its scales
-        (and zero points): a scale line missed per block costs a DRAM latency of its own."""
-        codes, scales, zeros, b_stride, h_stride = pool[:5]
+        """Start reading a block's codes of head h, and its scales (prefetch_scales)."""
+        codes = pool[0]
         prefetch_lines(codes, (blk * H + h) * BS * row, (BS * row * codes.itemsize + 63) // 64,
                        LEVEL)
+        prefetch_scales(pool, blk, h, has_zero)
+
+    @njit(forceinline=True)
+    def prefetch_row(codes, at, row, row_bytes, t):
+        """Start reading row t of a block's codes (its head's rows from flat element at; row
+        elements, row_bytes bytes: constants, as an array's itemsize is not): its lines, or,
+        where rows are shorter than a line, the line that row t begins. A block's lines asked
+        for a row at a time are spread over the work on another block."""
+        if t % max(1, 64 // row_bytes) == 0:
+            prefetch_lines(codes, at + t * row, max(1, row_bytes // 64), LEVEL)
+
+    @njit(forceinline=True)
+    def prefetch_scales(pool, blk, h, has_zero):
+        """Start reading a block's scales (and zero points) of head h where they change per
+        block: a scale line missed per block costs a DRAM latency of its own."""
+        scales, zeros, b_stride, h_stride = pool[1:5]
         if b_stride != 0:
             at = blk * b_stride + h * h_stride
             lines = ((h_stride if h_stride else b_stride) * scales.itemsize + 63) // 64 + 1
@@ -237,9 +255,10 @@ def vector_kernel(kf: PoolFormat, vf: PoolFormat, R: int, D: int, k_groups: int,
             if blk < 0:  # the block is in another pool
                 continue
             nxt = row[j + AHEAD] if j + AHEAD < hi else -1
-            if nxt >= 0:  # a later block's K and V start coming while this one is read
-                prefetch_block(k, nxt, h, H, BS, k_row, k_has_zero)
-                prefetch_block(v, nxt, h, H, BS, v_row, v_has_zero)
+            if nxt >= 0:  # a later block's K and V start coming while this one is read: the
+                prefetch_scales(k, nxt, h, k_has_zero)  # scales now, the codes a row per key
+                prefetch_scales(v, nxt, h, v_has_zero)  # of this block (prefetch_row)
+            k_next, v_next = (nxt * H + h) * BS * k_row, (nxt * H + h) * BS * v_row
             # Where scales change per block, the next block's are folded into the query now,
             # ahead of this block's work: a fold is a chain of dependent steps (a max over the
             # query, a reciprocal, rounding, a store the dots read back) that would otherwise
@@ -290,6 +309,9 @@ def vector_kernel(kf: PoolFormat, vf: PoolFormat, R: int, D: int, k_groups: int,
                     store(buf, 0, p)
                 if by_head:
                     for t in range(nt):  # each value row unpacked once, into L1
+                        if nxt >= 0:
+                            prefetch_row(k_codes, k_next, k_row, k_row_bytes, t0 + t)
+                            prefetch_row(v_codes, v_next, v_row, v_row_bytes, t0 + t)
                         store(buf, RG16 + RD + t * D,
                               value(v_codes, first_row + t0 + t, v_scales, v_zeros,
                                     v_at + t * vt_stride, v_scale, v_zero))  # (D,)
@@ -302,6 +324,9 @@ def vector_kernel(kf: PoolFormat, vf: PoolFormat, R: int, D: int, k_groups: int,
                 else:
                     acc = load(buf, RG16, RD)
                     for t in range(nt):
+                        if nxt >= 0:
+                            prefetch_row(k_codes, k_next, k_row, k_row_bytes, t0 + t)
+                            prefetch_row(v_codes, v_next, v_row, v_row_bytes, t0 + t)
                         x = value(v_codes, first_row + t0 + t, v_scales, v_zeros,
                                   v_at + t * vt_stride, v_scale, v_zero)  # (D,)
                         acc = acc + spread_loads(buf, t, TILE, R, v_planes, w_gs, D) * repeat(x, R)
