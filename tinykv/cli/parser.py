@@ -186,7 +186,8 @@ def add_bench_parsers(sub: argparse._SubParsersAction) -> None:
                    help="results JSON; charts go beside it")
     b.add_argument("--readme", metavar="JSON", help="print the README Results section and exit")
     b.add_argument("--kv", type=kv_spec, nargs="+", metavar="SPEC",
-                   help="tinykv KV specs (default: fp16 int8 int4 KIVI-style)")
+                   help="tinykv KV specs (default: fp16 int8 int4 and KIVI-style, "
+                        "k=int4:channel:asym,v=int4:g32:asym,residual=64)")
     b.add_argument("--reps", type=POSITIVE, metavar="N",
                    help="repetitions per point (default: 3, quick: 1)")
     b.add_argument("--no-transformers", action="store_true", help="tinykv only")
@@ -232,7 +233,8 @@ def add_kernel_parser(bsub: argparse._SubParsersAction) -> None:
     k.add_argument("--aot", action="store_true", help="compile the Triton kernels for sm_80/sm_90")
     k.add_argument("--out", default="bench/kernel.json", metavar="JSON", help="results JSON")
     k.add_argument("--kv", type=kv_spec, nargs="+", metavar="SPEC",
-                   help="KV specs to time (default: fp16 int8 int4)")
+                   help="KV specs to time (default: fp16 int8 int4; with --cpu also "
+                        "KIVI-style, k=int4:channel:asym,v=int4:g32:asym)")
     k.add_argument("--block-size", type=int_range(1, 4096), default=16, metavar="N",
                    help="tokens per cache block")
     k.add_argument("--reps", type=POSITIVE, metavar="N", help="timed calls per point")
@@ -270,7 +272,8 @@ def add_roofline_parser(bsub: argparse._SubParsersAction) -> None:
                    nargs="+", default=sorted({1, min(2, usable_cores())}), metavar="N",
                    help="torch (and numba) thread counts, each measured in turn")
     r.add_argument("--kv", type=kv_spec, nargs="+", metavar="SPEC",
-                   help="tinykv KV specs (default: fp16 int8 int4 KIVI-style); an evicting "
+                   help="tinykv KV specs (default: fp16 int8 int4 and KIVI-style, "
+                        "k=int4:channel:asym,v=int4:g32:asym,residual=64); an evicting "
                         "spec is also timed against itself without evict= and sink=")
     r.add_argument("--shapes", type=batch_context, nargs="+", metavar="BxC",
                    help="decode shapes, batch x context, e.g. 1x8185 (default: the mode's)")
