@@ -331,13 +331,10 @@ if types is not None:
     vdiv = _arith("truediv", "fdiv", "sdiv")
 
 
-
 @intrinsic(prefer_literal=True)
 def prefetch_lines(typingctx, arr, start, lines, level):
     """Hint `lines` 64-byte lines from flat element `start` of a C-contiguous array into the
-    caches (llvm.prefetch: never faults). level, a constant: 3 every level down to L1
-    (prefetcht0), 2 L2 and below (prefetcht1)."""
-    locality = _literal(level)
+    caches (llvm.prefetch: never faults); a constant level: 3 down to L1, 2 down to L2."""
 
     def codegen(context, builder, sig, args):
         data = _data(context, builder, sig.args[0], args[0])
@@ -348,6 +345,6 @@ def prefetch_lines(typingctx, arr, start, lines, level):
         count = context.cast(builder, args[2], sig.args[2], types.intp)
         with cgutils.for_range(builder, count) as loop:
             at = builder.gep(base, [builder.mul(loop.index, ir.IntType(64)(64))])
-            builder.call(fn, [at, i32(0), i32(locality), i32(1)])
+            builder.call(fn, [at, i32(0), i32(_literal(sig.args[3])), i32(1)])
         return context.get_dummy_value()
     return types.none(arr, start, lines, level), codegen

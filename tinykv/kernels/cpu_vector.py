@@ -36,7 +36,6 @@ from .cpu_numerics import BFLOAT, FAST, HALF, INTEGER, LN2, LOG2E, kernel, njit,
 from .cpu_simd import (
     WIDE_VECTORS,
     load,
-    prefetch_lines,
     splat,
     store,
     to_float,
@@ -65,6 +64,9 @@ from .cpu_simd_ops import (
 from .cpu_vector_rows import (
     in_pairs,
     planes,
+    prefetch_block,
+    prefetch_row,
+    prefetch_scales,
     scale_loader,
     tile_scorer,
     value_reader,
@@ -78,12 +80,6 @@ TILE = 16  # keys scored together: one lane each in the score vector of a head
 # skip the rescale (a horizontal max, 2^x and a multiply of every sum) altogether.
 LAZY = np.float32(8.0)
 AHEAD = 2  # blocks between the one read and the one prefetched: one is too close to hide DRAM
-# Prefetched into L2, not L1 (prefetcht1, not t0), and a row's lines per key read, not a whole
-# block's at once: a prefetch waits for a free miss buffer, so a burst of them stalls the work
-# behind it, and a line bound for L1 holds one of L1's few buffers until it arrives. Each was
-# timed against the other way (the README's speed section); t0 prefetches of the next block on
-# top of these lost again.
-LEVEL = 2
 
 
 def takes(kf: PoolFormat, vf: PoolFormat, R: int, D: int, BS: int, k_groups: int) -> bool:
@@ -194,35 +190,6 @@ def vector_kernel(kf: PoolFormat, vf: PoolFormat, R: int, D: int, k_groups: int,
         while j < hi and row[j] < 0:
             j += 1
         return j
-
-    @njit(forceinline=True)
-    def prefetch_block(pool, blk, h, H, BS, row, has_zero):
-        """Start reading a block's codes of head h, and its scales (prefetch_scales)."""
-        codes = pool[0]
-        prefetch_lines(codes, (blk * H + h) * BS * row, (BS * row * codes.itemsize + 63) // 64,
-                       LEVEL)
-        prefetch_scales(pool, blk, h, has_zero)
-
-    @njit(forceinline=True)
-    def prefetch_row(codes, at, row, row_bytes, t):
-        """Start reading row t of a block's codes (its head's rows from flat element at; row
-        elements, row_bytes bytes: constants, as an array's itemsize is not): its lines, or,
-        where rows are shorter than a line, the line that row t begins. A block's lines asked
-        for a row at a time are spread over the work on another block."""
-        if t % max(1, 64 // row_bytes) == 0:
-            prefetch_lines(codes, at + t * row, max(1, row_bytes // 64), LEVEL)
-
-    @njit(forceinline=True)
-    def prefetch_scales(pool, blk, h, has_zero):
-        """Start reading a block's scales (and zero points) of head h where they change per
-        block: a scale line missed per block costs a DRAM latency of its own."""
-        scales, zeros, b_stride, h_stride = pool[1:5]
-        if b_stride != 0:
-            at = blk * b_stride + h * h_stride
-            lines = ((h_stride if h_stride else b_stride) * scales.itemsize + 63) // 64 + 1
-            prefetch_lines(scales, at, lines, LEVEL)
-            if has_zero:
-                prefetch_lines(zeros, at, lines, LEVEL)
 
     @njit(forceinline=True)
     def attend_item(q, q_at, sm_scale, row, n_keys, lo, hi, h, H, BS, k, v, buf, q_words, o,

@@ -1,6 +1,7 @@
 """How the vector kernel (cpu_vector.py) reads rows of a pool: 16 keys into a vector of scores
 per query head (`tile_scorer`), a value row into float32 lanes (`value_reader`), scales into
-lanes. Each returns a function specialized, at compile time, to one stored format.
+lanes, each returned specialized at compile time to one stored format; and how it asks for a
+later block's rows before it reads them (`prefetch_block`, `prefetch_row`, `prefetch_scales`).
 
 Integer keys whose rows are a multiple of 32 bytes are read two at a time as 16-bit words
 (cpu_simd.word_planes), the query permuted once to match (cpu_simd_ops.WORDS): the dot products of
@@ -14,8 +15,23 @@ import numpy as np
 
 from .cpu_args import SHARED_SCALES, TOKEN_SCALES, PoolFormat
 from .cpu_numerics import HALF, INTEGER, njit
-from .cpu_simd import code_planes, half_to_float, load, to_float, to_int16, word_planes
+from .cpu_simd import (
+    code_planes,
+    half_to_float,
+    load,
+    prefetch_lines,
+    to_float,
+    to_int16,
+    word_planes,
+)
 from .cpu_simd_ops import head_dots, pair, repeat, spread
+
+# Prefetched into L2, not L1 (prefetcht1, not t0), and a row's lines per key read, not a whole
+# block's at once: a prefetch waits for a free miss buffer, so a burst of them stalls the work
+# behind it, and a line bound for L1 holds one of L1's few buffers until it arrives. Each was
+# timed against the other way (the README's speed section); t0 prefetches of the next block on
+# top of these lost again.
+LEVEL = 2
 
 
 def planes(fmt: PoolFormat) -> int:
@@ -158,3 +174,35 @@ def tile_scorer(fmt: PoolFormat, R: int, D: int):
         return as_float(pair(eight(codes, row, q_all, q_words),
                              eight(codes, row + 8, q_all, q_words), 2))
     return tile_scores
+
+
+@njit(forceinline=True)
+def prefetch_block(pool, blk, h, H, BS, row, has_zero):
+    """Start reading a block's codes of head h, and its scales (prefetch_scales)."""
+    codes = pool[0]
+    prefetch_lines(codes, (blk * H + h) * BS * row, (BS * row * codes.itemsize + 63) // 64,
+                   LEVEL)
+    prefetch_scales(pool, blk, h, has_zero)
+
+
+@njit(forceinline=True)
+def prefetch_row(codes, at, row, row_bytes, t):
+    """Start reading row t of a block's codes (its head's rows from flat element at; row
+    elements, row_bytes bytes: constants, as an array's itemsize is not): its lines, or,
+    where rows are shorter than a line, the line that row t begins. A block's lines asked
+    for a row at a time are spread over the work on another block."""
+    if t % max(1, 64 // row_bytes) == 0:
+        prefetch_lines(codes, at + t * row, max(1, row_bytes // 64), LEVEL)
+
+
+@njit(forceinline=True)
+def prefetch_scales(pool, blk, h, has_zero):
+    """Start reading a block's scales (and zero points) of head h where they change per
+    block: a scale line missed per block costs a DRAM latency of its own."""
+    scales, zeros, b_stride, h_stride = pool[1:5]
+    if b_stride != 0:
+        at = blk * b_stride + h * h_stride
+        lines = ((h_stride if h_stride else b_stride) * scales.itemsize + 63) // 64 + 1
+        prefetch_lines(scales, at, lines, LEVEL)
+        if has_zero:
+            prefetch_lines(zeros, at, lines, LEVEL)
