@@ -192,6 +192,12 @@ def vector_kernel(kf: PoolFormat, vf: PoolFormat, R: int, D: int, k_groups: int,
         return j
 
     @njit(forceinline=True)
+    def prefetch_rows(k_codes, v_codes, k_at, v_at, t):
+        """Row t of a later block's K and V codes (from flat elements k_at, v_at) asked for."""
+        prefetch_row(k_codes, k_at, k_row, k_row_bytes, t)
+        prefetch_row(v_codes, v_at, v_row, v_row_bytes, t)
+
+    @njit(forceinline=True)
     def attend_item(q, q_at, sm_scale, row, n_keys, lo, hi, h, H, BS, k, v, buf, q_words, o,
                     o_at, lse, lse_at):
         """cpu_plain._attend_item in vectors: q and o at flat elements q_at, o_at (R x D), lse
@@ -215,8 +221,8 @@ def vector_kernel(kf: PoolFormat, vf: PoolFormat, R: int, D: int, k_groups: int,
         q_at = 0  # where in q_words the next fold goes: the half this block's fold does not use
         for j in range(lo, min(lo + AHEAD, hi)):  # the first blocks, before the loop asks
             if row[j] >= 0:
-                prefetch_block(k, row[j], h, H, BS, k_row, k_has_zero)
-                prefetch_block(v, row[j], h, H, BS, v_row, v_has_zero)
+                prefetch_block(k, row[j], h, H, BS, k_row, k_row_bytes, k_has_zero)
+                prefetch_block(v, row[j], h, H, BS, v_row, v_row_bytes, v_has_zero)
         for j in range(lo, hi):
             blk = row[j]
             if blk < 0:  # the block is in another pool
@@ -277,8 +283,7 @@ def vector_kernel(kf: PoolFormat, vf: PoolFormat, R: int, D: int, k_groups: int,
                 if by_head:
                     for t in range(nt):  # each value row unpacked once, into L1
                         if nxt >= 0:
-                            prefetch_row(k_codes, k_next, k_row, k_row_bytes, t0 + t)
-                            prefetch_row(v_codes, v_next, v_row, v_row_bytes, t0 + t)
+                            prefetch_rows(k_codes, v_codes, k_next, v_next, t0 + t)
                         store(buf, RG16 + RD + t * D,
                               value(v_codes, first_row + t0 + t, v_scales, v_zeros,
                                     v_at + t * vt_stride, v_scale, v_zero))  # (D,)
@@ -292,8 +297,7 @@ def vector_kernel(kf: PoolFormat, vf: PoolFormat, R: int, D: int, k_groups: int,
                     acc = load(buf, RG16, RD)
                     for t in range(nt):
                         if nxt >= 0:
-                            prefetch_row(k_codes, k_next, k_row, k_row_bytes, t0 + t)
-                            prefetch_row(v_codes, v_next, v_row, v_row_bytes, t0 + t)
+                            prefetch_rows(k_codes, v_codes, k_next, v_next, t0 + t)
                         x = value(v_codes, first_row + t0 + t, v_scales, v_zeros,
                                   v_at + t * vt_stride, v_scale, v_zero)  # (D,)
                         acc = acc + spread_loads(buf, t, TILE, R, v_planes, w_gs, D) * repeat(x, R)

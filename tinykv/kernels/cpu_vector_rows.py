@@ -177,11 +177,9 @@ def tile_scorer(fmt: PoolFormat, R: int, D: int):
 
 
 @njit(forceinline=True)
-def prefetch_block(pool, blk, h, H, BS, row, has_zero):
-    """Start reading a block's codes of head h, and its scales (prefetch_scales)."""
-    codes = pool[0]
-    prefetch_lines(codes, (blk * H + h) * BS * row, (BS * row * codes.itemsize + 63) // 64,
-                   LEVEL)
+def prefetch_block(pool, blk, h, H, BS, row, row_bytes, has_zero):
+    """Start reading a block's codes of head h (rows as prefetch_row's), and its scales."""
+    prefetch_lines(pool[0], (blk * H + h) * BS * row, (BS * row_bytes + 63) // 64, LEVEL)
     prefetch_scales(pool, blk, h, has_zero)
 
 
