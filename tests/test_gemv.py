@@ -6,11 +6,13 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 from tinykv import gemv, gemv_layer
+from tinykv.kernels.layout import CACHE_LINE
 from tinykv.model import REFERENCES, Transformer, apply_rope, fused_linear
 
 pytestmark = pytest.mark.skipif(not gemv.AVAILABLE, reason="numba is not installed")
@@ -210,3 +212,15 @@ def test_avx2_only_cpus(tmp_path):
                           f"{__file__}::test_fused_linear_within_the_float32_bound"],
                          env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-2000:]  # 5 when no test ran, 1 when one failed
+
+
+@pytest.mark.parametrize("rows, cols", [(16, 576), (1, 576), (3, 1536), (5, 7), (0, 64)])
+def test_empty_lines_start_on_a_cache_line(rows, cols):
+    """The kernels' own activation rows: numba starts an array on 32 bytes, so about half of them
+    would start mid-line; many in one process, so a lucky allocator cannot pass."""
+    arrays = [gemv.empty_lines(rows, cols) for _ in range(64)]
+    for a in arrays:
+        assert a.shape == (rows, cols) and a.dtype == np.float32 and a.flags.c_contiguous
+        assert a.ctypes.data % CACHE_LINE == 0 or a.size == 0
+    spans = sorted((a.ctypes.data, a.ctypes.data + a.nbytes) for a in arrays if a.size)
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))  # no overlap

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from .gemv_tiles import tiles_block
 from .kernels.cpu_numerics import kernel, use_threads
 from .kernels.cpu_simd import HAS_F16C, WIDE_VECTORS
-from .kernels.layout import empty_rows
+from .kernels.layout import CACHE_LINE, empty_rows
 
 try:
     import numba
@@ -208,12 +208,21 @@ if AVAILABLE:
             for c in range(x.shape[1]):
                 out[b, c] = x[b, c] * inv * weight[c]
 
+    @njit(inline="always", cache=True)
+    def empty_lines(rows, cols):
+        """np.empty((rows, cols), float32) starting on a cache line, as layout.empty_rows. numba
+        starts arrays on 32 bytes, so half of them would start mid-line, and with rows a whole
+        number of lines long every vector load of the GEMV's activation rows would straddle two."""
+        raw = np.empty(rows * cols + CACHE_LINE // 4, np.float32)
+        start = -raw.ctypes.data % CACHE_LINE // 4
+        return raw[start:start + rows * cols].reshape((rows, cols))
+
     @njit(fastmath=_FASTMATH, inline="always", cache=True)
     def _normalized(x, norm_weight, eps):
         """x's rows through the RMSNorm of weight norm_weight, or x itself when it has none."""
         if norm_weight.size == 0:
             return x
-        out = np.empty_like(x)  # (B, K)
+        out = empty_lines(x.shape[0], x.shape[1])  # (B, K)
         _rms_norm_rows(x, norm_weight, eps, out)
         return out
 
@@ -237,7 +246,7 @@ if AVAILABLE:
     def _linear(x, norm_weight, eps, w, bias, residual, swiglu, out):
         """out = act(norm(x) @ w^T + bias) + residual (`_epilogue`), in one call."""
         x = _normalized(x, norm_weight, eps)
-        y = np.empty((x.shape[0], w.shape[0]), np.float32) if swiglu else out  # (B, N)
+        y = empty_lines(x.shape[0], w.shape[0]) if swiglu else out  # (B, N)
         for block in prange(-(-w.shape[0] // ROWS)):
             _block(x, w, y, block)
         _epilogue(y, bias, residual, swiglu, out)

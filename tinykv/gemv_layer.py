@@ -75,7 +75,7 @@ if AVAILABLE:
     def _project(x, norm_weight, eps, w, bias, cos, sin, out_qk, out_v):
         """out_qk, out_v = the RoPE'd q|k heads and v of norm(x) @ w^T + bias (_rope_epilogue)."""
         x = gemv._normalized(x, norm_weight, eps)
-        y = np.empty((x.shape[0], w.shape[0]), np.float32)  # (B, N)
+        y = gemv.empty_lines(x.shape[0], w.shape[0])  # (B, N)
         for block in prange(-(-w.shape[0] // ROWS)):
             gemv._block(x, w, y, block)
         _rope_epilogue(y, bias, cos, sin, out_qk, out_v)
@@ -86,15 +86,15 @@ if AVAILABLE:
     def _finish(o, x, wo, bo, norm_weight, eps, w_in, b_in, w_out, b_out, out):
         """out (B, D) = h + (silu(gate) * up) @ w_out^T + b_out, [gate | up] = norm(h) @ w_in^T
         + b_in, h = x + o @ wo^T + bo: the rest of a layer after attention."""
-        h = np.empty_like(x)  # (B, D)
+        h = gemv.empty_lines(x.shape[0], x.shape[1])  # (B, D)
         for block in prange(-(-wo.shape[0] // ROWS)):
             gemv._block(o, wo, h, block)
         gemv._epilogue(h, bo, x, False, h)
         hn = gemv._normalized(h, norm_weight, eps)
-        gate_up = np.empty((x.shape[0], w_in.shape[0]), np.float32)  # (B, 2F)
+        gate_up = gemv.empty_lines(x.shape[0], w_in.shape[0])  # (B, 2F)
         for block in prange(-(-w_in.shape[0] // ROWS)):
             gemv._block(hn, w_in, gate_up, block)
-        act = np.empty((x.shape[0], w_out.shape[1]), np.float32)  # (B, F)
+        act = gemv.empty_lines(x.shape[0], w_out.shape[1])  # (B, F)
         gemv._epilogue(gate_up, b_in, x[:0], True, act)
         for block in prange(-(-w_out.shape[0] // ROWS)):
             gemv._block(act, w_out, out, block)
