@@ -224,3 +224,30 @@ def test_empty_lines_start_on_a_cache_line(rows, cols):
         assert a.ctypes.data % CACHE_LINE == 0 or a.size == 0
     spans = sorted((a.ctypes.data, a.ctypes.data + a.nbytes) for a in arrays if a.size)
     assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))  # no overlap
+
+
+def test_exp_within_a_few_units_in_the_last_place():
+    """cpu_numerics.exp (SwiGLU's e^x) against float64 over its whole range: r = x - k ln 2 is
+    exact but for ln 2's own rounding (2e-9, times k), so the bound grows with |x|: at most 4
+    units in the last place, plus |x| * 2e-9."""
+    from numba import njit
+
+    from tinykv.kernels.cpu_numerics import FAST, exp
+
+    @njit(fastmath=FAST)
+    def exps(x, out):
+        for i in range(x.size):
+            out[i] = exp(x[i])
+
+    gen = np.random.default_rng(0)
+    x = np.concatenate([gen.uniform(-87, 88, 100_000), np.linspace(-4, 4, 20_001),
+                        [-87.0, 0.0, 88.0]]).astype(np.float32)
+    out = np.empty_like(x)
+    exps(x, out)
+    exact = np.exp(x.astype(np.float64))
+    assert (np.abs(out - exact) <= (4 * U32 + np.abs(x) * 2e-9) * exact).all()
+    edges = np.array([np.nan, -np.inf, -1000.0, 1000.0, np.inf], np.float32)
+    out = np.empty_like(edges)
+    exps(edges, out)  # NaN stays NaN; beyond the range, the range's ends (no inf, no 0)
+    assert np.isnan(out[0]) and (out[1:3] == out[1]).all() and (out[3:] == out[3]).all()
+    assert 0 < out[1] < 1e-37 and 1e38 < out[3] < np.inf

@@ -39,7 +39,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .gemv_tiles import tiles_block
-from .kernels.cpu_numerics import kernel, use_threads
+from .kernels.cpu_numerics import exp, kernel, use_threads
 from .kernels.cpu_simd import HAS_F16C, WIDE_VECTORS
 from .kernels.layout import CACHE_LINE, empty_rows
 
@@ -229,19 +229,20 @@ if AVAILABLE:
     @njit(fastmath=_FASTMATH, inline="always", cache=True)
     def _epilogue(y, bias, residual, swiglu, out):
         """out (B, M) = act(y (B, N) + bias) + residual: act is silu(gate) * up over y's two
-        halves (M = N / 2) with swiglu, else none (out is y); bias and residual may be empty."""
+        halves (M = N / 2) with swiglu, else none (then y is out); bias and residual may be
+        empty. The bias is added into y, which is out or the caller's scratch."""
         m = out.shape[1]
         for b in range(out.shape[0]):
-            for j in range(m):
-                v = y[b, j]
-                if bias.size:
-                    v += bias[j]
-                if swiglu:
-                    up = y[b, j + m] + bias[j + m] if bias.size else y[b, j + m]
-                    v = v / (np.float32(1.0) + np.exp(-v)) * up  # F.silu(gate) * up
-                if residual.size:
-                    v = residual[b, j] + v
-                out[b, j] = v
+            if bias.size:
+                for j in range(y.shape[1]):
+                    y[b, j] += bias[j]
+            if swiglu:  # F.silu(gate) * up, in a loop LLVM vectorizes: cpu_numerics' e^x, not
+                for j in range(m):  # libm's, and a reciprocal, as / checks for a zero and branches
+                    gate = y[b, j]
+                    out[b, j] = gate * np.reciprocal(np.float32(1.0) + exp(-gate)) * y[b, j + m]
+            if residual.size:
+                for j in range(m):
+                    out[b, j] = residual[b, j] + out[b, j]
 
     def _linear(x, norm_weight, eps, w, bias, residual, swiglu, out):
         """out = act(norm(x) @ w^T + bias) + residual (`_epilogue`), in one call."""

@@ -98,6 +98,7 @@ FP8_STEPS = np.float32(512.0)  # e4m3 subnormals are multiples of 2^-9
 EXP2_FLOOR = np.float32(-126.0)  # 2^x below it is taken as 2^-126: no subnormal, never 0
 LOG2E = np.float32(1.4426950408889634)  # scores go base 2: e^s = 2^(s log2 e)
 LN2 = np.float32(0.6931471805599453)
+EXP_FLOOR, EXP_CEILING = np.float32(-87.0), np.float32(88.0)  # e^x a normal float32
 
 
 @intrinsic
@@ -173,17 +174,34 @@ def load_scale(values, code, i):
 
 
 @njit(forceinline=True)
-def exp2(x):
-    """2^x for float32 x <= 0, vectorizable (no libm call): 2^k by the exponent bits times 2^f,
-    |f| <= 1/2, by Taylor's series of e^(f ln 2) to the 7th power (error < 1e-8, under float32's
-    rounding). x below -126 (and -inf) gives 2^-126, a weight no sum of ones can see."""
-    x = max(x, EXP2_FLOOR)
-    k = np.rint(x)
-    f = (x - k) * LN2
+def _exp_series(f):
+    """e^f for |f| <= ln 2 / 2, by Taylor's series to the 7th power (error < 1e-8, under
+    float32's rounding)."""
     p = np.float32(1 / 5040)
     for c in (1 / 720, 1 / 120, 1 / 24, 1 / 6, 1 / 2, 1.0, 1.0):
         p = p * f + np.float32(c)
-    return p * as_f32((np.int64(k) + 127) << 23)
+    return p
+
+
+@njit(forceinline=True)
+def exp2(x):
+    """2^x for float32 x <= 0, vectorizable (no libm call): 2^k by the exponent bits times 2^f,
+    |f| <= 1/2, as e^(f ln 2). x below -126 (and -inf) gives 2^-126, a weight no sum of ones
+    can see."""
+    x = max(x, EXP2_FLOOR)
+    k = np.rint(x)
+    return _exp_series((x - k) * LN2) * as_f32((np.int64(k) + 127) << 23)
+
+
+@njit(forceinline=True)
+def exp(x):
+    """e^x for float32 x, vectorizable (no libm call): 2^k e^r, k = rint(x log2 e), r = x - k ln 2.
+    Unlike e^x = 2^(x log2 e), the rounding of x log2 e only picks k, so r keeps x's bits: a few
+    units in the last place where |x| is small, as libm. x is clamped to [-87, 88], where e^x is
+    a normal float32 (NaN stays NaN)."""
+    x = min(max(x, EXP_FLOOR), EXP_CEILING)
+    k = np.rint(x * LOG2E)
+    return _exp_series(x - k * LN2) * as_f32((np.int64(k) + 127) << 23)
 
 
 @njit(cache=True)
