@@ -1,6 +1,6 @@
 """Numbers the fused CPU kernels share (cpu.py attends, cpu_store.py stores): numba, or the flag
 that says why it is missing; half, bf16 and fp8 conversions on integer bits (numba has no float16
-on the CPU); a vectorizable 2^x; a prefetch hint.
+on the CPU); a vectorizable 2^x, and e^x (the GEMV's SwiGLU); a prefetch hint.
 
 Every conversion here rounds as torch's CPU casts do, so the store kernel writes the bits the torch
 reference writes, and the attention kernel reads them back as the reference does.
