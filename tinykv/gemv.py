@@ -8,12 +8,11 @@ bandwidth. The kernel here walks W in blocks of `ROWS` output rows (the unit thr
 reads each block from memory once. How it reads a block depends on the batch. For a few
 activation rows, and for half weights, sliced: a block's 8 rows come from 8 slices of W, so 8
 sequential streams are read at once, and each row is multiplied by every activation row while it
-sits in L1. Float32 weights at more rows go 4 rows by 4 activation rows at a time in vector
-registers (gemv_tiles.py; 2 by 8 from 9 to 16 activation rows of short rows), which keeps a
-batch of up to `TILE_BATCH` rows bound by the weights' bytes; beyond the tiles, 8 contiguous
-rows in parallel, each activation row multiplied by the block in L1. Half weights widen element
-by element (`SMALL_BATCH`). Prefill chunks and large batches, where a matmul is bound by
-arithmetic, stay with torch.
+sits in L1. Float32 weights at more rows, up to `TILE_BATCH`, go 4 rows by 4 activation rows at
+a time in vector registers (gemv_tiles.py; 2 by 8 from 9 to 16 activation rows of short rows);
+beyond, 8 contiguous rows in parallel, each activation row multiplied by the block in L1. Half
+weights widen element by element (`SMALL_BATCH`). Prefill chunks and large batches, where a
+matmul is bound by arithmetic, stay with torch.
 
 `gemv_layer.select_kernels(device, ...)` chooses once, when the model is loaded (model.py calls
 it), like the attention kernels: `linear_cpu` where numba is installed and the weights are on the
@@ -164,7 +163,6 @@ _SOURCES = hashlib.sha256(b"".join((Path(__file__).parent / name).read_bytes()
                                    for name in ("gemv.py", "gemv_tiles.py"))).hexdigest()
 
 
-
 def serial_and_parallel(fn: Callable, variant: tuple) -> tuple:
     """fn, written with prange, compiled twice: for one thread (where numba runs prange as range)
     and with prange's iterations split between threads; disk-cached under `variant` (the sources
@@ -172,11 +170,11 @@ def serial_and_parallel(fn: Callable, variant: tuple) -> tuple:
     return (kernel((*variant, "serial"), fastmath=_FASTMATH)(fn),
             kernel((*variant, "parallel"), fastmath=_FASTMATH, parallel=True)(fn))
 
+
 def _block(x, w, y, block):
-    """_gemv_block's contract, by the loop that reads these weights fastest for this many
-    activation rows: sliced (_sliced) for half weights and up to SLICED_MAX_ROWS rows; float32
-    weights in tiles of registers (gemv_tiles.py) from there to TILE_MAX_ROWS rows; eight
-    contiguous rows at a time beyond."""
+    """_gemv_block's contract, by the loop that reads these weights fastest for this many rows:
+    sliced (_sliced) for half weights and up to SLICED_MAX_ROWS rows; float32 weights in tiles of
+    registers (gemv_tiles.py) from there to TILE_MAX_ROWS rows; eight contiguous rows beyond."""
     _gemv_block(x, w, y, block)
 
 
@@ -210,9 +208,8 @@ if AVAILABLE:
 
     @njit(inline="always", cache=True)
     def empty_lines(rows, cols):
-        """np.empty((rows, cols), float32) starting on a cache line, as layout.empty_rows. numba
-        starts arrays on 32 bytes, so half of them would start mid-line, and with rows a whole
-        number of lines long every vector load of the GEMV's activation rows would straddle two."""
+        """np.empty((rows, cols), float32) on a cache line, as layout.empty_rows: numba starts
+        arrays on 32 bytes, and a vector load of a line-long row that starts mid-line reads two."""
         raw = np.empty(rows * cols + CACHE_LINE // 4, np.float32)
         start = -raw.ctypes.data % CACHE_LINE // 4
         return raw[start:start + rows * cols].reshape((rows, cols))
@@ -228,14 +225,12 @@ if AVAILABLE:
 
     @njit(fastmath=_FASTMATH, inline="always", cache=True)
     def _epilogue(y, bias, residual, swiglu, out):
-        """out (B, M) = act(y (B, N) + bias) + residual: act is silu(gate) * up over y's two
-        halves (M = N / 2) with swiglu, else none (then y is out); bias and residual may be
-        empty. The bias is added into y, which is out or the caller's scratch."""
+        """out (B, M) = act(y (B, N) + bias) + residual, bias added into y (out, or scratch): act
+        silu(gate) * up of y's halves (M = N / 2) with swiglu, else none and y is out."""
         m = out.shape[1]
         for b in range(out.shape[0]):
-            if bias.size:
-                for j in range(y.shape[1]):
-                    y[b, j] += bias[j]
+            for j in range(y.shape[1] if bias.size else 0):
+                y[b, j] += bias[j]
             if swiglu:  # F.silu(gate) * up, in a loop LLVM vectorizes: cpu_numerics' e^x, not
                 for j in range(m):  # libm's, and a reciprocal, as / checks for a zero and branches
                     gate = y[b, j]
