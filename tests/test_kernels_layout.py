@@ -2,7 +2,9 @@
 format, the one layout check every kernel wrapper calls, and the choice of kernels by what they
 can do."""
 
+import os
 import re
+import sys
 
 import numpy as np
 import pytest
@@ -11,7 +13,7 @@ import torch
 from tests.pools import make_pool
 from tinykv.blocks import CacheError
 from tinykv.kernels import PoolLayer, check_layout, select_kernels, stored_format
-from tinykv.kernels.layout import CACHE_LINE, FLOAT, FP8, INT, empty_rows
+from tinykv.kernels.layout import CACHE_LINE, FLOAT, FP8, INT, empty_rows, onto_huge_pages
 from tinykv.spec import QuantParams
 
 # spec -> (family, bits, per_byte, signed, has_zero, offset, group size at D=64)
@@ -78,3 +80,33 @@ def test_empty_rows_start_on_a_cache_line(shape, dtype):
         assert a.ctypes.data % CACHE_LINE == 0 or a.size == 0
     spans = sorted((a.ctypes.data, a.ctypes.data + a.nbytes) for a in arrays if a.size)
     assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))  # no overlap
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping of this process that holds `address` (/proc/self/smaps)."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        span = re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line)
+        if span:
+            inside = int(span[1], 16) <= address < int(span[2], 16)
+        elif inside and line.startswith("VmFlags:"):
+            return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_onto_huge_pages_moves_tensors_and_asks_for_huge_pages():
+    """Values, shapes, dtypes and the tensor objects kept (a tied Parameter stays tied), each on a
+    cache line, in one range the kernel was asked to back with huge pages (VmFlags "hg", set by
+    madvise whatever the machine's THP setting; absent from kernels built without THP)."""
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.nn.Parameter(torch.randn(3 << 18, generator=gen)),  # 3 MiB
+               torch.nn.Parameter(torch.randn(5, 7, generator=gen).to(torch.bfloat16)),
+               torch.randn(0, 4, generator=gen), torch.randint(0, 9, (3, 3), generator=gen)]
+    weights.append(torch.randn(100, generator=gen)[1:])  # a view that starts mid-line
+    before = [(w, w.detach().clone()) for w in weights]
+    onto_huge_pages(weights)
+    for (w, copy), moved in zip(before, weights):
+        assert moved is w and torch.equal(moved, copy) and moved.dtype == copy.dtype
+        assert moved.data_ptr() % CACHE_LINE == 0 or moved.numel() == 0
+    if sys.platform == "linux" and os.path.isdir("/sys/kernel/mm/transparent_hugepage"):
+        assert "hg" in _vm_flags(weights[0].data_ptr())

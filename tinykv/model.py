@@ -23,7 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .checkpoint import ModelError, convert_hf_state_dict, load_safetensors
-from .kernels.layout import CACHE_LINE
+from .kernels.layout import onto_huge_pages
 from .modelfiles import Fields
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2")
@@ -360,9 +360,8 @@ class Transformer(nn.Module):
         if not cfg.gpt2_style:
             model.rope_cos, model.rope_sin = rope_tables(cfg)
         model = model.to(device=device, dtype=dtype).eval()
-        for param in model.parameters():  # safetensors leaves tensors at their file offsets
-            if param.device.type == "cpu" and param.data_ptr() % CACHE_LINE:
-                param.data = param.data.clone()  # torch starts a CPU allocation on a cache line
+        if device.type == "cpu":  # safetensors leaves tensors at their file offsets, mid-line
+            onto_huge_pages(list(model.parameters()))
         from .gemv_layer import select_kernels  # numba loads with a model, not here
         model.use_kernels(**select_kernels(device, REFERENCES))  # chosen once
         return model
