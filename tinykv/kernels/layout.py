@@ -43,9 +43,9 @@ def onto_huge_pages(tensors: list[torch.Tensor]) -> None:
     """Move CPU tensors into one allocation, each on a cache line, that Linux is asked to back
     with 2 MiB pages, and point them at it (tensor.data: a Parameter stays the same object, so
     tied weights stay tied). A decode step reads every weight once: on 4 KiB pages that is a TLB
-    miss every 64 lines, and the prefetches ahead of the GEMV wait for each page walk. Where the
-    kernel does not take the advice (transparent huge pages off, not Linux), the copy still puts
-    every tensor on a cache line."""
+    miss and a page walk every 64 lines, on 2 MiB pages one every 32,768. Where the kernel does
+    not take the advice (transparent huge pages off, not Linux), the copy still puts every
+    tensor on a cache line."""
     sizes = [-(-t.nbytes // CACHE_LINE) * CACHE_LINE for t in tensors]
     buffer = torch.empty(sum(sizes) + HUGE_PAGE, dtype=torch.uint8)  # untouched: no pages yet
     offset = -buffer.data_ptr() % HUGE_PAGE
