@@ -74,10 +74,10 @@ TILE_BATCH = 64  # the same for float32 weights, read in tiles (gemv_tiles.py)
 # level: 9.4-10.4 GB/s on rows of 576 floats; 4 streams a quarter of W apart 17.9). Over the 121
 # matrices on a Sapphire Rapids, one thread, outputs preallocated, the two loops timed in turn:
 # float32 at 1 row 0.71x that loop's time, bf16 0.74x at 1 row to 0.84x at 8, fp16 0.76x to 0.88x
-# at 4. Against the float32 tiles: 0.78x at 2 rows, 0.87x at 3, 1.0x at 4, 1.15x at 8 with
-# AVX-512; with AVX2 code (NUMBA_CPU_NAME=haswell, same machine) 0.65x at 2 rows to 0.86x at 8,
-# so there the tiles are not used.
-SLICED_MAX_ROWS = 3 if WIDE_VECTORS else 8
+# at 4. Against the float32 tiles with AVX-512, the weights on huge pages: 0.95-0.97x at 4 rows,
+# 1.07x at 5, 1.28x at 8; with AVX2 code (NUMBA_CPU_NAME=haswell, same machine, before huge
+# pages) 0.65x at 2 rows to 0.86x at 8, so there the tiles are not used.
+SLICED_MAX_ROWS = 4 if WIDE_VECTORS else 8
 # More rows than this: the eight-row loop. With 256-bit vectors (AVX2) a tile's 16 accumulators
 # are 32 registers' worth in 16: per step of 16 channels its hot loop does 32 multiply-adds and
 # stores 18 vectors to the stack and reloads 22 (with AVX-512: 16, 9.5 and 11.5; read from the
