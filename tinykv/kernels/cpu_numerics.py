@@ -204,7 +204,7 @@ def exp(x):
     return _exp_series(x - k * LN2) * as_f32((np.int64(k) + 127) << 23)
 
 
-@njit(cache=True)
+@njit(forceinline=True)  # inlined: a call per value would stop vectorization
 def to_half(x, code):
     """float32 -> fp16 (HALF) / bf16 (BFLOAT) bits, to nearest even like torch's CPU casts."""
     u = f32_bits(x)

@@ -5,7 +5,12 @@ bit (reference.quantize_store_ref).
 A decode step stores one token per sequence, K and V, in every layer: a few hundred values a call.
 So what counts is the cost around the kernel: `StoreArgs` (the pool's arrays and the format's
 constants) is made once per pool and reused (cpu.CpuKernels keeps it), and the kernel runs on one
-thread (waking others would cost more than the work).
+thread (waking others would cost more than the work). Inside, two things count:
+- every new token's row lands in a block of its own, cold in memory, and a store that misses
+  waits for its line before the stores behind it go on; so the kernel first prefetches every
+  line it will write (`ask_for_lines`), and the misses overlap;
+- each step over a row (its absmax, the division, the clamp and rounding, the packing) is a loop
+  of its own without branches, on a contiguous copy of the row, so that LLVM vectorizes it.
 """
 
 from __future__ import annotations
@@ -24,10 +29,14 @@ from .cpu_numerics import (
     FP8,
     HALF,
     REASON,
+    as_f32,
     cast_up,
+    f32_bits,
     from_half,
     kernel,
     load_scale,
+    njit,
+    prefetch,
     to_fp8,
     to_half,
 )
@@ -92,72 +101,151 @@ def least_error_scale(xs, amax, clips, qmax, offset, lo, hi, scale_code, tiny, b
     return best
 
 
+@njit(forceinline=True)
+def absmax(xs):
+    """The largest |x| of the finite values of xs (0.0 if none), found on their bits: as integers
+    the magnitudes of finite floats order as the floats do, and LLVM vectorizes an integer max
+    (a float max only with fast-math flags)."""
+    most = np.uint32(0)  # 32-bit lanes: twice as many in a vector as 64-bit ones
+    for xv in xs:
+        magnitude = np.uint32(f32_bits(xv)) & np.uint32(0x7FFFFFFF)
+        finite = magnitude < np.uint32(0x7F800000)  # NaN and Inf take no part
+        most = max(most, magnitude if finite else np.uint32(0))
+    return as_f32(most)
+
+
+@njit(forceinline=True)
+def store_scale(xs, scales, zeros, at, has_zero, clips, qmax, offset, lo, hi, room, scale_code,
+                tiny, big):
+    """quant.compute_scales for one group xs, into scales[at] (and zeros[at])."""
+    if clips.shape[0] > 0:
+        scales[at] = least_error_scale(xs, absmax(xs), clips, qmax, offset, lo, hi, scale_code,
+                                       tiny, big)
+        return
+    if not has_zero:
+        scales[at] = cast_up(absmax(xs) / qmax, scale_code, tiny, big)
+        return
+    mn, mx = np.float32(np.inf), np.float32(-np.inf)
+    for xv in xs:
+        if abs(xv) < np.inf:  # NaN and Inf are ignored
+            mn, mx = min(mn, xv), max(mx, xv)
+    if mn > mx:  # no finite value
+        mn = mx = np.float32(0.0)
+    s = max(mx / qmax - mn / qmax, max(mn / room, -mn / (qmax + room)))
+    scales[at] = cast_up(s, scale_code, tiny, big)
+    zf = min(max(np.rint(-mn / from_half(scales[at], scale_code)), -room), qmax + room)
+    zeros[at] = to_half(zf, scale_code)
+
+
+@njit(forceinline=True)
+def store_cast(values, dst, code):
+    """A row of float32 values into dst as float32, fp16 or bf16 (code); returns the count of
+    finite values that overflowed to inf."""
+    if code == FLOAT32:
+        for c in range(values.shape[0]):
+            dst[c] = values[c]
+        return 0
+    inf_bits = 0x7C00 if code == HALF else 0x7F80  # an fp16 or a bf16 inf, its sign cleared
+    count = 0
+    for c in range(values.shape[0]):
+        b = to_half(values[c], code)
+        dst[c] = b
+        count += (abs(values[c]) < np.inf) & (b & 0x7FFF == inf_bits)
+    return count
+
+
+@njit(forceinline=True)
+def pack(out, dst, pb):
+    """Codes out (D,) into dst (D // pb,): code pb * e + j at bit j * (8 // pb) of element e,
+    in one loop for each count of codes per element (1, 2 or 4), so that each vectorizes."""
+    if pb == 1:
+        for e in range(dst.shape[0]):
+            dst[e] = out[e] & 0xFF
+    elif pb == 2:
+        for e in range(dst.shape[0]):
+            dst[e] = (out[2 * e] & 0xFF) | (out[2 * e + 1] & 0xFF) << 4
+    else:
+        for e in range(dst.shape[0]):
+            dst[e] = ((out[4 * e] & 0xFF) | (out[4 * e + 1] & 0xFF) << 2
+                      | (out[4 * e + 2] & 0xFF) << 4 | (out[4 * e + 3] & 0xFF) << 6)
+
+
+@njit(forceinline=True)
+def ask_for_lines(codes, row, scales, zeros, first, group_stride, groups, dynamic, has_zero):
+    """Prefetch the lines of codes[row] and, for per-token scales, of its scales and zeros
+    (flat elements first + g * group_stride). Each new token's row is in a block of its own,
+    cold in memory, and a store that misses the cache waits for its line before the next store
+    can: the rows' lines came one after another. Prefetches wait for none."""
+    width = codes.shape[1]
+    line = 64 // codes.itemsize  # elements a cache line
+    for e in range(0, width + line - 1, line):
+        prefetch(codes, row * width + min(e, width - 1))
+    if dynamic:
+        for g in range(groups):
+            prefetch(scales, first + g * group_stride)
+            if has_zero:
+                prefetch(zeros, first + g * group_stride)
+
+
 @kernel(error_model="numpy")  # IEEE division: no zero checks
 def compiled_store(x, blk, off, fmt, pool, BS, limits, dynamic, clips):
     """Quantize x (n, H, D) float32 into `pool` at rows (blk[i], h, off[i]), op for op as
     quant.compute_scales + quant.quantize; returns the count of saturated values and NaNs
-    (for an mse format, one with `clips`, of NaNs: its scales clip by choice)."""
+    (for an mse format, one with `clips`, of NaNs: its scales clip by choice). Each step is its
+    own loop over a row copied contiguous, without branches, so that LLVM vectorizes it."""
     code, bits, scale_kind, scale_code, has_zero, offset = fmt
     codes, scales, zeros, block_stride, head_stride, token_stride, group_stride, gs = pool
     # float32 as store_args rounded them (numba dispatches a tuple of Python floats faster)
     qmax, lo, hi = np.float32(limits[0]), np.float32(limits[1]), np.float32(limits[2])
     slack, room = np.float32(limits[3]), np.float32(limits[4])
     tiny, big = np.float32(limits[5]), np.float32(limits[6])
+    low, high = lo - slack, hi + slack  # a value past these is counted as saturated
+    if clips.shape[0] > 0:  # but an mse format's scales clip by choice
+        low, high = np.float32(-np.inf), np.float32(np.inf)
     n, H, D = x.shape
-    mse = clips.shape[0] > 0
     pb = D // codes.shape[1]  # codes per stored element
-    out = np.empty(D, np.int64)
+    values = np.empty(D, np.float32)  # one (token, head) row of x
+    out = np.empty(D, np.int32)  # its codes, before packing
+    for i in range(n):  # every line this call writes, asked for first (ask_for_lines)
+        for h in range(H):
+            row = (blk[i] * H + h) * BS + off[i]
+            first = blk[i] * block_stride + h * head_stride + off[i] * token_stride
+            ask_for_lines(codes, row, scales, zeros, first, group_stride, D // gs, dynamic,
+                          has_zero)
     count = 0
     for i in range(n):
         for h in range(H):
             row = (blk[i] * H + h) * BS + off[i]
-            if scale_kind == NO_SCALES:  # a plain cast: finite values that overflow to inf count
-                for c in range(D):
-                    if code == FLOAT32:
-                        codes[row, c] = x[i, h, c]
-                        continue
-                    b = to_half(x[i, h, c], code)
-                    codes[row, c] = b
-                    count += abs(x[i, h, c]) < np.inf and b & 0x7FFF == (0x7C00, 0x7F80)[
-                        code - HALF]
+            for c in range(D):
+                values[c] = x[i, h, c]
+            if scale_kind == NO_SCALES:
+                count += store_cast(values, codes[row], code)
                 continue
             for g in range(D // gs):
-                xs = x[i, h, g * gs:g * gs + gs]
+                xs, codes_g = values[g * gs:g * gs + gs], out[g * gs:g * gs + gs]  # views: their
+                # indices start at 0, so LLVM sees every access a step apart (and no gathers)
                 at = blk[i] * block_stride + h * head_stride + off[i] * token_stride \
                     + g * group_stride
-                if dynamic:  # quant.compute_scales for one group
-                    mn, mx, amax = np.float32(np.inf), np.float32(-np.inf), np.float32(0.0)
-                    for xv in xs:
-                        if abs(xv) < np.inf:  # NaN and Inf are ignored
-                            mn, mx, amax = min(mn, xv), max(mx, xv), max(amax, abs(xv))
-                    if mse:
-                        scales[at] = least_error_scale(xs, amax, clips, qmax, np.float32(offset),
-                                                       lo, hi, scale_code, tiny, big)
-                    elif not has_zero:
-                        scales[at] = cast_up(amax / qmax, scale_code, tiny, big)
-                    else:
-                        if mn > mx:  # no finite value
-                            mn = mx = np.float32(0.0)
-                        s = max(mx / qmax - mn / qmax, max(mn / room, -mn / (qmax + room)))
-                        scales[at] = cast_up(s, scale_code, tiny, big)
-                        zf = min(max(np.rint(-mn / from_half(scales[at], scale_code)),
-                                     -room), qmax + room)
-                        zeros[at] = to_half(zf, scale_code)
+                if dynamic:
+                    store_scale(xs, scales, zeros, at, has_zero, clips,
+                                qmax, np.float32(offset), lo, hi, room, scale_code, tiny, big)
                 scale = load_scale(scales, scale_code, at)
-                zero = load_scale(zeros, scale_code, at) if has_zero else offset
-                for c in range(gs):
-                    xv = xs[c]
-                    nan = xv != xv
-                    v = (np.float32(0.0) if nan else xv) / scale  # divide, not multiply: ties
-                    v = v if code == FP8 else v + np.float32(zero)  # fp8 keeps -0.0's sign
-                    count += nan or (not mse and (v < lo - slack or v > hi + slack))
-                    v = min(max(v, lo), hi)
-                    out[g * gs + c] = to_fp8(v) if code == FP8 else np.int64(np.rint(v))
-            for e in range(D // pb):  # element pb*e + j at bit j * (8 // pb)
-                b = 0
-                for j in range(pb):
-                    b |= (out[e * pb + j] & 0xFF) << (j * 8 // pb)
-                codes[row, e] = b
+                zero = load_scale(zeros, scale_code, at) if has_zero else np.float32(offset)
+                saturated = np.int32(0)  # 32-bit, as the values: a wider vector
+                if code == FP8:  # fp8 keeps -0.0's sign: no zero point added
+                    for c in range(gs):
+                        nan = xs[c] != xs[c]
+                        v = (np.float32(0.0) if nan else xs[c]) / scale
+                        saturated += np.int32(nan | (v < low) | (v > high))
+                        codes_g[c] = to_fp8(min(max(v, lo), hi))
+                else:
+                    for c in range(gs):
+                        nan = xs[c] != xs[c]
+                        v = (np.float32(0.0) if nan else xs[c]) / scale + zero  # divide: as torch
+                        saturated += np.int32(nan | (v < low) | (v > high))
+                        codes_g[c] = np.int32(np.rint(min(max(v, lo), hi)))
+                count += saturated
+            pack(out, codes[row], pb)
     return count
 
 
