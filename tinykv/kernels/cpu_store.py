@@ -79,7 +79,10 @@ def store_args(p: QuantParams, data: torch.Tensor, scale: torch.Tensor | None,
                      dynamic=dynamic, clips=np.array(MSE_CLIPS if p.mse else (), np.float32))
 
 
-@kernel(error_model="numpy")
+# reassoc: the error sums may be added in any order, so that they vectorize. Their float64
+# rounding cannot part two clips' errors that float32 arithmetic would not (the reference sums in
+# its own order too); equal scales lose equal errors, and the first of equals is kept.
+@kernel(error_model="numpy", fastmath={"reassoc"})
 def least_error_scale(xs, amax, clips, qmax, offset, lo, hi, scale_code, tiny, big):
     """quant._least_error_scales for one group xs: the half bits of the scale, among
     cast_up(amax * clip / qmax) for each of `clips`, that loses the least squared error
@@ -90,11 +93,12 @@ def least_error_scale(xs, amax, clips, qmax, offset, lo, hi, scale_code, tiny, b
         bits = cast_up(amax * clip / qmax, scale_code, tiny, big)
         s = from_half(bits, scale_code)
         err = 0.0
-        for xv in xs:
-            if abs(xv) < np.inf:  # NaN and Inf take no part
-                code = np.rint(min(max(xv / s + offset, lo), hi))
-                lost = np.float64((code - offset) * s) - np.float64(xv)
-                err += lost * lost
+        for c in range(xs.shape[0]):  # by index: numba's array iterator hides the unit step
+            finite = abs(xs[c]) < np.inf  # NaN and Inf lose nothing
+            x = xs[c] if finite else np.float32(0.0)
+            code = np.rint(min(max(x / s + offset, lo), hi))
+            lost = np.float64((code - offset) * s) - np.float64(x)
+            err += lost * lost if finite else 0.0
         if err < least:
             best = bits
             least = err
@@ -107,8 +111,8 @@ def absmax(xs):
     the magnitudes of finite floats order as the floats do, and LLVM vectorizes an integer max
     (a float max only with fast-math flags)."""
     most = np.uint32(0)  # 32-bit lanes: twice as many in a vector as 64-bit ones
-    for xv in xs:
-        magnitude = np.uint32(f32_bits(xv)) & np.uint32(0x7FFFFFFF)
+    for c in range(xs.shape[0]):  # by index: numba's array iterator hides the unit step
+        magnitude = np.uint32(f32_bits(xs[c])) & np.uint32(0x7FFFFFFF)
         finite = magnitude < np.uint32(0x7F800000)  # NaN and Inf take no part
         most = max(most, magnitude if finite else np.uint32(0))
     return as_f32(most)
@@ -126,9 +130,10 @@ def store_scale(xs, scales, zeros, at, has_zero, clips, qmax, offset, lo, hi, ro
         scales[at] = cast_up(absmax(xs) / qmax, scale_code, tiny, big)
         return
     mn, mx = np.float32(np.inf), np.float32(-np.inf)
-    for xv in xs:
-        if abs(xv) < np.inf:  # NaN and Inf are ignored
-            mn, mx = min(mn, xv), max(mx, xv)
+    for c in range(xs.shape[0]):
+        finite = abs(xs[c]) < np.inf  # NaN and Inf are ignored
+        mn = min(mn, xs[c] if finite else np.float32(np.inf))
+        mx = max(mx, xs[c] if finite else np.float32(-np.inf))
     if mn > mx:  # no finite value
         mn = mx = np.float32(0.0)
     s = max(mx / qmax - mn / qmax, max(mn / room, -mn / (qmax + room)))
