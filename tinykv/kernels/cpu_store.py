@@ -7,8 +7,9 @@ So what counts is the cost around the kernel: `StoreArgs` (the pool's arrays and
 constants) is made once per pool and reused (cpu.CpuKernels keeps it), and the kernel runs on one
 thread (waking others would cost more than the work). Inside, two things count:
 - every new token's row lands in a block of its own, cold in memory, and a store that misses
-  waits for its line before the stores behind it go on; so the kernel first prefetches every
-  line it will write (`ask_for_lines`), and the misses overlap;
+  waits for its line before the stores behind it go on; so the kernel prefetches the lines of
+  the next TOKENS_AHEAD tokens (`ask_for_token`: a decode step's all at once), and the misses
+  overlap;
 - each step over a row (its absmax, the division, the clamp and rounding, the packing) is a loop
   of its own without branches, on a contiguous copy of the row, so that LLVM vectorizes it.
 """
@@ -175,18 +176,24 @@ def pack(out, dst, pb):
                       | (out[4 * e + 2] & 0xFF) << 4 | (out[4 * e + 3] & 0xFF) << 6)
 
 
+TOKENS_AHEAD = 16  # tokens between the one stored and the one whose lines are asked for
+
+
 @njit(forceinline=True)
-def ask_for_lines(codes, row, scales, zeros, first, group_stride, groups, dynamic, has_zero):
-    """Prefetch the lines of codes[row] and, for per-token scales, of its scales and zeros
-    (flat elements first + g * group_stride). Each new token's row is in a block of its own,
-    cold in memory, and a store that misses the cache waits for its line before the next store
-    can: the rows' lines came one after another. Prefetches wait for none."""
+def ask_for_token(i, blk, off, pool, H, BS, D, dynamic, has_zero):
+    """Prefetch the lines token i's rows go to: codes and, for per-token scales, scales and
+    zero points. Each new token's rows are in a block of their own, cold in memory, and a store
+    that misses the cache holds up the stores behind it until its line comes: one line after
+    another. Prefetches hold up nothing, so the lines come together."""
+    codes, scales, zeros, block_stride, head_stride, token_stride, group_stride, gs = pool
     width = codes.shape[1]
     line = 64 // codes.itemsize  # elements a cache line
-    for e in range(0, width + line - 1, line):
-        prefetch(codes, row * width + min(e, width - 1))
-    if dynamic:
-        for g in range(groups):
+    for h in range(H):
+        row = (blk[i] * H + h) * BS + off[i]
+        for e in range(0, width + line - 1, line):
+            prefetch(codes, row * width + min(e, width - 1))
+        first = blk[i] * block_stride + h * head_stride + off[i] * token_stride
+        for g in range(D // gs if dynamic else 0):
             prefetch(scales, first + g * group_stride)
             if has_zero:
                 prefetch(zeros, first + g * group_stride)
@@ -211,14 +218,12 @@ def compiled_store(x, blk, off, fmt, pool, BS, limits, dynamic, clips):
     pb = D // codes.shape[1]  # codes per stored element
     values = np.empty(D, np.float32)  # one (token, head) row of x
     out = np.empty(D, np.int32)  # its codes, before packing
-    for i in range(n):  # every line this call writes, asked for first (ask_for_lines)
-        for h in range(H):
-            row = (blk[i] * H + h) * BS + off[i]
-            first = blk[i] * block_stride + h * head_stride + off[i] * token_stride
-            ask_for_lines(codes, row, scales, zeros, first, group_stride, D // gs, dynamic,
-                          has_zero)
+    for i in range(min(n, TOKENS_AHEAD)):  # a decode step's tokens: all asked for first
+        ask_for_token(i, blk, off, pool, H, BS, D, dynamic, has_zero)
     count = 0
     for i in range(n):
+        if i + TOKENS_AHEAD < n:  # more tokens (a prompt): each asked for a while ahead
+            ask_for_token(i + TOKENS_AHEAD, blk, off, pool, H, BS, D, dynamic, has_zero)
         for h in range(H):
             row = (blk[i] * H + h) * BS + off[i]
             for c in range(D):
