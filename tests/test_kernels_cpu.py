@@ -397,6 +397,26 @@ def test_quantize_store_matches_reference(spec, D):
         assert (n_sat > 0) == (spec not in ("fp32", "bf16"))  # NaN, Inf, 1e6: all counted
 
 
+@pytest.mark.parametrize("spec", ["fp16", "int4", "int2:g32:asym", "int4:g16:mse", "fp8:token"])
+def test_store_of_many_tokens_matches_reference(spec):
+    """A prompt's store: more tokens than the kernel asks lines for at once (cpu_store
+    TOKENS_AHEAD), in shuffled slots, bit for bit the reference's."""
+    p, n, H, D, NB = QuantParams.parse(spec), 70, 2, 64, 6
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(n, H, D, generator=gen) * torch.logspace(-2, 1, D)  # (n, H, D)
+    slots = torch.randperm(NB * 16, generator=gen)[:n]
+    blk, off = slots // 16, slots % 16
+    data = torch.zeros(NB, H, 16, D // p.per_byte, dtype=p.storage_dtype)
+    scale = None if p.is_float else torch.zeros(NB, *p.scale_shape(H, 16, D), dtype=torch.float16)
+    zero = None if scale is None or p.sym else torch.zeros_like(scale)
+    want = [None if t is None else t.clone() for t in (data, scale, zero)]
+    n_ref = quantize_store_ref(x, p, *want, blk, off)
+    assert quantize_store_cpu(x, p, data, scale, zero, blk, off) == n_ref
+    for got, ref in zip((data, scale, zero), want):
+        assert got is None or torch.equal(bits(got), bits(ref))
+    assert data.view(torch.uint8).any(), "the store wrote nothing"
+
+
 def test_quantize_store_checks_layouts():
     p = QuantParams.parse("int4:asym")
     x, _, data, scale, zero, blk, off = store_inputs(p, 64, torch.Generator().manual_seed(1),
