@@ -80,9 +80,9 @@ def store_args(p: QuantParams, data: torch.Tensor, scale: torch.Tensor | None,
                      dynamic=dynamic, clips=np.array(MSE_CLIPS if p.mse else (), np.float32))
 
 
-# reassoc: the error sums may be added in any order, so that they vectorize. Their float64
-# rounding cannot part two clips' errors that float32 arithmetic would not (the reference sums in
-# its own order too); equal scales lose equal errors, and the first of equals is kept.
+# reassoc: the error sums may be added in any order, so that they vectorize. They differ from the
+# reference's only in float64 rounding, as before (it sums in an order of its own); equal scales
+# lose equal errors, and the first of equals is kept.
 @kernel(error_model="numpy", fastmath={"reassoc"})
 def least_error_scale(xs, amax, clips, qmax, offset, lo, hi, scale_code, tiny, big):
     """quant._least_error_scales for one group xs: the half bits of the scale, among
@@ -111,11 +111,10 @@ def absmax(xs):
     """The largest |x| of the finite values of xs (0.0 if none), found on their bits: as integers
     the magnitudes of finite floats order as the floats do, and LLVM vectorizes an integer max
     (a float max only with fast-math flags)."""
-    most = np.uint32(0)  # 32-bit lanes: twice as many in a vector as 64-bit ones
+    most = 0
     for c in range(xs.shape[0]):  # by index: numba's array iterator hides the unit step
-        magnitude = np.uint32(f32_bits(xs[c])) & np.uint32(0x7FFFFFFF)
-        finite = magnitude < np.uint32(0x7F800000)  # NaN and Inf take no part
-        most = max(most, magnitude if finite else np.uint32(0))
+        magnitude = f32_bits(xs[c]) & 0x7FFFFFFF
+        most = max(most, magnitude if magnitude < 0x7F800000 else 0)  # NaN and Inf: none
     return as_f32(most)
 
 
@@ -241,20 +240,18 @@ def compiled_store(x, blk, off, fmt, pool, BS, limits, dynamic, clips):
                                 qmax, np.float32(offset), lo, hi, room, scale_code, tiny, big)
                 scale = load_scale(scales, scale_code, at)
                 zero = load_scale(zeros, scale_code, at) if has_zero else np.float32(offset)
-                saturated = np.int32(0)  # 32-bit, as the values: a wider vector
                 if code == FP8:  # fp8 keeps -0.0's sign: no zero point added
                     for c in range(gs):
                         nan = xs[c] != xs[c]
                         v = (np.float32(0.0) if nan else xs[c]) / scale
-                        saturated += np.int32(nan | (v < low) | (v > high))
+                        count += nan | (v < low) | (v > high)
                         codes_g[c] = to_fp8(min(max(v, lo), hi))
                 else:
                     for c in range(gs):
                         nan = xs[c] != xs[c]
                         v = (np.float32(0.0) if nan else xs[c]) / scale + zero  # divide: as torch
-                        saturated += np.int32(nan | (v < low) | (v > high))
+                        count += nan | (v < low) | (v > high)
                         codes_g[c] = np.int32(np.rint(min(max(v, lo), hi)))
-                count += saturated
             pack(out, codes[row], pb)
     return count
 
