@@ -187,18 +187,17 @@ class KVPools:
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor,
               slots: dict[int, SlotIndex]) -> None:
         """Store new keys/values k, v (N, H, D) at their slots (pool -> SlotIndex): quantized
-        into store blocks, as they are into hot ones."""
+        into store blocks, cast into hot ones, by the same store kernel (one compiled call where
+        two indexed torch copies cost several times more)."""
         for pool, (idx, blk, off) in slots.items():
-            if pool == HOT:
-                self.hot[0, layer, blk, :, off] = k[idx].to(self.hot.dtype)
-                self.hot[1, layer, blk, :, off] = v[idx].to(self.hot.dtype)
-                continue
             every = isinstance(idx, slice)  # all the step's tokens: no copy (an op each)
-            for x, pl in zip((k, v), self.views[layer]):
+            views = self.hot_views[layer] if pool == HOT else self.views[layer]
+            for x, pl in zip((k, v), views):
                 n_sat = self.store_fn(x if every else x[idx], pl.p, pl.data, pl.scale, pl.zero,
                                       blk, off)
-                if not isinstance(n_sat, int) or n_sat:  # adding a Python 0 costs an op too
-                    self._saturated += n_sat
+                # a hot block keeps the model's values (or fp16's): nothing is clipped to count
+                if pool != HOT and (not isinstance(n_sat, int) or n_sat):
+                    self._saturated += n_sat  # (adding a Python 0 costs an op too)
 
     def read(self, layer: int, which: int, tables: dict[int, torch.Tensor],
              moving: list[torch.Tensor] | None = None) -> torch.Tensor:
