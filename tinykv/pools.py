@@ -195,7 +195,8 @@ class KVPools:
             for x, pl in zip((k, v), views):
                 n_sat = self.store_fn(x if every else x[idx], pl.p, pl.data, pl.scale, pl.zero,
                                       blk, off)
-                # a hot block keeps the model's values (or fp16's): nothing is clipped to count
+                # hot blocks hold a plain cast, which no scale clips: not counted (an fp16
+                # overflow to inf neither, as when they were torch copies)
                 if pool != HOT and (not isinstance(n_sat, int) or n_sat):
                     self._saturated += n_sat  # (adding a Python 0 costs an op too)
 
