@@ -46,6 +46,10 @@ MORE_CASES = [
     ("bf16", "int2:asym", 4, 128, 8),
     ("int2:g32", "int4:channel:asym", 3, 64, 16),
     ("int8", "int8:asym", 16, 32, 16),  # 16 heads a group: per-head reductions fill a piece
+    # keys with per-token group scales (the vector kernel dequantizes them before the dots)
+    ("int4:g32:asym", "int4:g32:asym", 3, 64, 16),
+    ("int8:g32", "int2:g32", 2, 96, 32),
+    ("int2:g16:asym", "fp16", 1, 128, 16),
 ]
 
 
@@ -200,10 +204,11 @@ def test_vector_kernel_matches_its_plain_twin(kspec, vspec, n_rep, D, BS, head_b
 
 def test_vector_kernel_takes_the_default_model_formats():
     """The formats the benchmarks time, at the default model's shape, go to the vector kernel."""
-    for spec in ("fp16", "int8", "int4", "int4:channel:asym", "int4:g32:asym", "int2:asym"):
+    for spec in ("fp16", "int8", "int4", "int4:channel:asym", "int4:g32:asym", "int2:asym",
+                 "int2:g32", "int2:g64"):
         pool = make_pool(spec, 3, 16, 64, torch.Generator().manual_seed(0))
         fmt, arrays = pool_arrays(pool, 3, 16, 64)
-        assert takes(fmt, fmt, 3, 64, 16, 64 // arrays[7]) or spec == "int4:g32:asym"
+        assert takes(fmt, fmt, 3, 64, 16, 64 // arrays[7]), spec
 
 
 def test_two_pools_merge_and_half_queries():

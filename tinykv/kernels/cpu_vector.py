@@ -20,9 +20,10 @@ What changes from the plain kernel, per tile of 16 keys of one KV head:
   codes a row per key this block reads, so the requests are spread over the work.
 
 It takes fp16, int8, int4 and int2 stores (per-token scales, or scales a block shares; per-token
-groups for values), blocks of a multiple of 16 tokens, and R x D up to 512 (the accumulators fill
-the register file at 512); other pools go to the plain kernel. One kernel is compiled per
-(K format, V format, R, D, groups): the lane counts are compile-time constants.
+groups too, keys then dequantized before their dots: cpu_vector_rows), blocks of a multiple of 16
+tokens, and R x D up to 512 (the accumulators fill the register file at 512); other pools go to
+the plain kernel. One kernel is compiled per (K format, V format, R, D, groups): the lane counts
+are compile-time constants.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ from .cpu_simd_ops import (
     where_positive,
 )
 from .cpu_vector_rows import (
+    grouped_keys,
     in_pairs,
     planes,
     prefetch_block,
@@ -85,12 +87,17 @@ AHEAD = 2  # blocks between the one read and the one prefetched: one is too clos
 def takes(kf: PoolFormat, vf: PoolFormat, R: int, D: int, BS: int, k_groups: int) -> bool:
     """Whether the vector kernel reads these pools (else the plain kernel does): fp16 or integer
     codes (16 stored elements a piece), key scales per token or shared by the block, value scales
-    any way, D a multiple of 16 (32 for integer keys), blocks a multiple of 16 tokens."""
+    any way, or per token and group (dequantized), D a multiple of 16 (32 for integer keys with
+    one scale a row), blocks a multiple of 16 tokens."""
     def stored(fmt: PoolFormat) -> bool:
         if fmt.code == HALF:
             return True
         return fmt.code == INTEGER and fmt.scale_code != BFLOAT and D // planes(fmt) % 16 == 0
-    key_ok = kf.code == HALF or (D % 32 == 0 and (kf.scales == SHARED_SCALES or k_groups == 1))
+    def grouped_ok() -> bool:  # each group a whole number of stored elements
+        return grouped_keys(kf, k_groups) and D % k_groups == 0 \
+            and D // k_groups % planes(kf) == 0
+    key_ok = kf.code == HALF or grouped_ok() \
+        or (D % 32 == 0 and (kf.scales == SHARED_SCALES or k_groups == 1))
     return stored(kf) and stored(vf) and key_ok and D % 16 == 0 and BS % TILE == 0 \
         and R * D <= 512
 
@@ -124,8 +131,9 @@ def vector_kernel(kf: PoolFormat, vf: PoolFormat, R: int, D: int, k_groups: int,
     G = v_groups if token_weights else 1  # weights per head and key
     G16, RG16 = G * TILE, R * G * TILE
     w_gs = D // G  # channels a weight covers
-    tile_scores, value = tile_scorer(kf, R, D), value_reader(vf, D, v_groups)
-    k_pairs = in_pairs(kf, D)
+    tile_scores, value = tile_scorer(kf, R, D, k_groups), value_reader(vf, D, v_groups)
+    k_pairs = in_pairs(kf, D, k_groups)
+    k_grouped = grouped_keys(kf, k_groups)  # dequantized before the dots, the query as floats
     k_order = WORDS if k_pairs else BYTES  # the order of the query's channels (cpu_simd_ops)
     zero_term = token_weights and (v_has_zero or vf.offset != 0)
     k_zero_term = k_has_zero or kf.offset != 0
@@ -181,6 +189,8 @@ def vector_kernel(kf: PoolFormat, vf: PoolFormat, R: int, D: int, k_groups: int,
             step = segment_absmax(q_base, D) / Q16_MAX
             step = where_positive(step, step, splat(1.0, R))
             q16 = round_int16(q_base * spread(np.float32(1.0) / step, D))
+            if k_grouped:
+                return to_float(q16), q_base, splat(0.0, R), step
             return key_query(q16, q_words, 0), q_base, segment_sum(to_float(q16), D), step
         return q_base, q_base, splat(0.0, R), splat(1.0, R)
 
@@ -249,9 +259,10 @@ def vector_kernel(kf: PoolFormat, vf: PoolFormat, R: int, D: int, k_groups: int,
             first_row = (blk * H + h) * BS
             for t0 in range(0, min(BS, n_keys - j * BS), TILE):
                 nt = min(TILE, n_keys - j * BS - t0)
-                score = tile_scores(k_codes, first_row + t0, b_all, q_words)  # (R x 16)
-                if k_int and k_token:  # score = scale * (q . code - zero * sum q)
-                    s_at = blk * kb_stride + h * kh_stride + t0 * kt_stride
+                s_at = blk * kb_stride + h * kh_stride + t0 * kt_stride
+                score = tile_scores(k_codes, first_row + t0, b_all, q_words, k_scales, k_zeros,
+                                    s_at, kt_stride)  # (R x 16)
+                if k_int and k_token and not k_grouped:  # scale * (q . code - zero * sum q)
                     if k_zero_term:
                         z16 = k_scales16(k_zeros, s_at, TILE) if k_has_zero else \
                             splat(k_offset, TILE)

@@ -7,6 +7,10 @@ Integer keys whose rows are a multiple of 32 bytes are read two at a time as 16-
 (cpu_simd.word_planes), the query permuted once to match (cpu_simd_ops.WORDS): the dot products of
 a key pair leave 8 partial sums per key, so the transpose-and-add tree starts one step shorter and
 that step is paid once per key pair, not once per query head. Other keys go one at a time.
+
+Integer keys with a scale per token and group of channels (`grouped_keys`) cannot take the scale
+out of the whole dot product: each key is dequantized into float32 lanes first, as a value row is,
+and dotted with the int16 query's codes as floats (so both kernels round the query alike).
 """
 
 from __future__ import annotations
@@ -52,35 +56,50 @@ def scale_loader(code: int):
     return scales
 
 
-def in_pairs(fmt: PoolFormat, D: int) -> bool:
-    """Whether integer keys are read two at a time as words (rows a multiple of 32 bytes)."""
-    return fmt.code == INTEGER and D * fmt.bits % 256 == 0
+def grouped_keys(fmt: PoolFormat, groups: int) -> bool:
+    """Whether integer keys have a scale per token and group of channels: read dequantized."""
+    return fmt.code == INTEGER and fmt.scales == TOKEN_SCALES and groups > 1
 
 
-def _key_reader(fmt: PoolFormat, R: int, D: int):
-    """key(codes, row, q_all, q_words): a key's products with R query heads, summed to 16 lanes a
-    head (int32 for integer codes: exact; float32 for fp16); where keys go in pairs (in_pairs),
-    keys row and row + 1, 8 lanes each, against the query stored in q_words from element q_all."""
+def in_pairs(fmt: PoolFormat, D: int, groups: int = 1) -> bool:
+    """Whether integer keys are read two at a time as words (rows a multiple of 32 bytes, one
+    scale a row)."""
+    return fmt.code == INTEGER and D * fmt.bits % 256 == 0 and not grouped_keys(fmt, groups)
+
+
+def _key_reader(fmt: PoolFormat, R: int, D: int, groups: int):
+    """key(codes, row, q_all, q_words, scales, zeros, at): a key's products with R query heads,
+    summed to 16 lanes a head (int32 for integer codes: exact; float32 for fp16 and grouped
+    keys, whose scales and zero points start at element `at`); where keys go in pairs
+    (in_pairs), keys row and row + 1, 8 lanes each, against the query stored in q_words from
+    element q_all."""
     width, bits = D // planes(fmt), fmt.bits
     lanes = 2 * R * D  # the query against a key pair
-    if in_pairs(fmt, D):
+    if in_pairs(fmt, D, groups):
         @njit(forceinline=True)
-        def key(codes, row, q_at, q_words):  # q_words: the query as piece_copies stored it
+        def key(codes, row, q_at, q_words, scales, zeros, at):  # q_words: as piece_copies
             x = word_planes(codes, row * width, (row + 1) * width, width, bits)  # (2D,) WORDS
             return head_dots(x, load(q_words, q_at, lanes), R)
+    elif grouped_keys(fmt, groups):
+        float_codes, dequantize = _float_codes(fmt, D), _group_dequantizer(fmt, D, groups)
+
+        @njit(forceinline=True)
+        def key(codes, row, q_all, q_words, scales, zeros, at):
+            x = dequantize(float_codes(codes, row), scales, zeros, at)  # (D,) stored order
+            return head_dots(x, q_all, R)
     elif fmt.code == HALF:
         @njit(forceinline=True)
-        def key(codes, row, q_all, q_words):
+        def key(codes, row, q_all, q_words, scales, zeros, at):
             x = half_to_float(load(codes, row * width, D))  # (D,)
             return head_dots(x, q_all, R)
     elif fmt.bits == 8:
         @njit(forceinline=True)
-        def key(codes, row, q_all, q_words):
+        def key(codes, row, q_all, q_words, scales, zeros, at):
             c16 = to_int16(load(codes, row * width, width))  # (D,)
             return head_dots(c16, q_all, R)
     else:
         @njit(forceinline=True)
-        def key(codes, row, q_all, q_words):
+        def key(codes, row, q_all, q_words, scales, zeros, at):
             c16 = code_planes(load(codes, row * width, width), bits)  # (D,) stored order
             return head_dots(c16, q_all, R)
     return key
@@ -93,17 +112,9 @@ def weights_by_group(fmt: PoolFormat, D: int, groups: int) -> bool:
         and D // groups % (16 * planes(fmt)) == 0
 
 
-def value_reader(fmt: PoolFormat, D: int, groups: int):
-    """value(codes, row, scales, zeros, at, scale, zero): a value row as D float32 lanes in stored
-    order: its codes less zero times scale where scales are per group and not in the weights
-    (at: the token's first scale) or per block (scale, zero: (D,) lanes), the raw codes where
-    the scale goes into the weight (weights_by_group) or is absent (fp16)."""
-    n_planes, bits = planes(fmt), fmt.bits
-    width, per = D // n_planes, D // groups // n_planes  # per: a group's run in one plane
-    load_scales = scale_loader(fmt.scale_code)
-    by_group = fmt.scales == TOKEN_SCALES and groups > 1 and not weights_by_group(fmt, D, groups)
-    by_block = fmt.scales == SHARED_SCALES
-    offset, has_zero = np.float32(fmt.offset), fmt.has_zero
+def _float_codes(fmt: PoolFormat, D: int):
+    """codes_of(codes, row): a row's D codes (fp16: values) as float32 lanes in stored order."""
+    width, bits = D // planes(fmt), fmt.bits
     if fmt.code == HALF:
         @njit(forceinline=True)
         def codes_of(codes, row):
@@ -116,6 +127,34 @@ def value_reader(fmt: PoolFormat, D: int, groups: int):
         @njit(forceinline=True)
         def codes_of(codes, row):
             return to_float(code_planes(load(codes, row * width, width), bits))
+    return codes_of
+
+
+def _group_dequantizer(fmt: PoolFormat, D: int, groups: int):
+    """dequantize(x, scales, zeros, at): a row's float codes x (D,) in stored order less their
+    group's zero point, times its scale (at: the token's first scale)."""
+    n_planes = planes(fmt)
+    per = D // groups // n_planes  # a group's run in one plane
+    load_scales = scale_loader(fmt.scale_code)
+    offset, has_zero = np.float32(fmt.offset), fmt.has_zero
+
+    @njit(forceinline=True)
+    def dequantize(x, scales, zeros, at):
+        s = repeat(spread(load_scales(scales, at, groups), per), n_planes)
+        if has_zero:
+            return (x - repeat(spread(load_scales(zeros, at, groups), per), n_planes)) * s
+        return (x - offset) * s
+    return dequantize
+
+
+def value_reader(fmt: PoolFormat, D: int, groups: int):
+    """value(codes, row, scales, zeros, at, scale, zero): a value row as D float32 lanes in stored
+    order: its codes less zero times scale where scales are per group and not in the weights
+    (at: the token's first scale) or per block (scale, zero: (D,) lanes), the raw codes where
+    the scale goes into the weight (weights_by_group) or is absent (fp16)."""
+    by_group = fmt.scales == TOKEN_SCALES and groups > 1 and not weights_by_group(fmt, D, groups)
+    by_block = fmt.scales == SHARED_SCALES
+    codes_of, dequantize = _float_codes(fmt, D), _group_dequantizer(fmt, D, groups)
 
     @njit(forceinline=True)
     def value(codes, row, scales, zeros, at, scale, zero):
@@ -124,18 +163,16 @@ def value_reader(fmt: PoolFormat, D: int, groups: int):
             return (x - zero) * scale
         if not by_group:
             return x
-        s = repeat(spread(load_scales(scales, at, groups), per), n_planes)
-        if has_zero:
-            return (x - repeat(spread(load_scales(zeros, at, groups), per), n_planes)) * s
-        return (x - offset) * s
+        return dequantize(x, scales, zeros, at)
     return value
 
 
-def tile_scorer(fmt: PoolFormat, R: int, D: int):
-    """tile_scores(codes, row, q_all, q_words): (R x 16) float32 dot products of R query heads
-    with keys row .. row + 15 (q_all, q_words: the query as the key reader takes it)."""
-    key = _key_reader(fmt, R, D)
-    if fmt.code == INTEGER:
+def tile_scorer(fmt: PoolFormat, R: int, D: int, groups: int):
+    """tile_scores(codes, row, q_all, q_words, scales, zeros, at, stride): (R x 16) float32 dot
+    products of R query heads with keys row .. row + 15 (q_all, q_words: the query as the key
+    reader takes it; at, stride: the first key's scales and the step between keys' scales)."""
+    key = _key_reader(fmt, R, D, groups)
+    if fmt.code == INTEGER and not grouped_keys(fmt, groups):
         @njit(forceinline=True)
         def as_float(dots):
             return to_float(dots)
@@ -144,35 +181,39 @@ def tile_scorer(fmt: PoolFormat, R: int, D: int):
         def as_float(dots):
             return dots
 
-    if in_pairs(fmt, D):
+    if in_pairs(fmt, D, groups):
         @njit(forceinline=True)
-        def eight(codes, row, q_all, q_words):
+        def eight(codes, row, q_all, q_words, scales, zeros, at, stride):
             """Keys row .. row + 7, 2 lanes each: four key pairs of 8 partial sums, then two
             steps of the transpose-and-add tree (`pair`)."""
-            return pair(pair(key(codes, row, q_all, q_words), key(codes, row + 2, q_all, q_words),
-                             8),
-                        pair(key(codes, row + 4, q_all, q_words),
-                             key(codes, row + 6, q_all, q_words), 8), 4)
+            return pair(pair(key(codes, row, q_all, q_words, scales, zeros, at),
+                             key(codes, row + 2, q_all, q_words, scales, zeros, at), 8),
+                        pair(key(codes, row + 4, q_all, q_words, scales, zeros, at),
+                             key(codes, row + 6, q_all, q_words, scales, zeros, at), 8), 4)
     else:
         @njit(forceinline=True)
-        def four(codes, row, q_all, q_words):
+        def four(codes, row, q_all, q_words, scales, zeros, at, stride):
             """Keys row .. row + 3, 4 lanes each: two steps of the tree from 16 partial sums."""
-            return pair(pair(key(codes, row, q_all, q_words), key(codes, row + 1, q_all, q_words),
-                             16),
-                        pair(key(codes, row + 2, q_all, q_words),
-                             key(codes, row + 3, q_all, q_words), 16), 8)
+            return pair(pair(key(codes, row, q_all, q_words, scales, zeros, at),
+                             key(codes, row + 1, q_all, q_words, scales, zeros, at + stride), 16),
+                        pair(key(codes, row + 2, q_all, q_words, scales, zeros, at + 2 * stride),
+                             key(codes, row + 3, q_all, q_words, scales, zeros, at + 3 * stride),
+                             16), 8)
 
         @njit(forceinline=True)
-        def eight(codes, row, q_all, q_words):
+        def eight(codes, row, q_all, q_words, scales, zeros, at, stride):
             """Keys row .. row + 7, 2 lanes each."""
-            return pair(four(codes, row, q_all, q_words), four(codes, row + 4, q_all, q_words), 4)
+            return pair(four(codes, row, q_all, q_words, scales, zeros, at, stride),
+                        four(codes, row + 4, q_all, q_words, scales, zeros, at + 4 * stride,
+                             stride), 4)
 
     @njit(forceinline=True)
-    def tile_scores(codes, row, q_all, q_words):
+    def tile_scores(codes, row, q_all, q_words, scales, zeros, at, stride):
         """(R x 16) float32 dot products of the R heads with keys row .. row + 15: the last step
         of the tree leaves one lane per key, in key order."""
-        return as_float(pair(eight(codes, row, q_all, q_words),
-                             eight(codes, row + 8, q_all, q_words), 2))
+        return as_float(pair(eight(codes, row, q_all, q_words, scales, zeros, at, stride),
+                             eight(codes, row + 8, q_all, q_words, scales, zeros,
+                                   at + 8 * stride, stride), 2))
     return tile_scores
 
 
