@@ -15,13 +15,14 @@ from tinykv.spec import KVSpec
 pytestmark = pytest.mark.skipif(not gemv.AVAILABLE, reason="numba is not installed")
 
 # stored in place by the direct calls (per-token scales or none; K and V apart; the plain kernel
-# for fp8 and int2:g16, the vector kernel for the rest)
+# for fp8 and int2:g16, the vector kernel for the rest); hot blocks (a residual window, sinks,
+# at the model's dtype or fp16) attended beside the store and merged; rotations
 DIRECT = ["fp16", "int8", "int4", "k=int4:g32:asym,v=int2:g16", "fp8:token", "k=int8,v=fp16",
-          "k=int2:mse,v=int4:g16:mse"]
-# each needs more than a store and an attention call a layer: hot blocks (scales made when a
-# block fills, a window), transforms, eviction's scores
-LAYER_BY_LAYER = ["k=int4:channel:asym,v=int4:g32:asym,residual=16", "int4,residual=8,sink=4",
-                  "fp8", "int4:rot", "int8,evict=h2o:96"]
+          "k=int2:mse,v=int4:g16:mse", "int4,residual=8,sink=4", "int4:rot",
+          "k=int2:g32:rot,v=int4:rot,residual=16,sink=4,hot=fp16", "k=int4:rot,v=int8"]
+# each needs more than a store and an attention call a layer: scales made when a block fills
+# (channel keys, block-wise fp8), eviction's scores
+LAYER_BY_LAYER = ["k=int4:channel:asym,v=int4:g32:asym,residual=16", "fp8", "int8,evict=h2o:96"]
 
 
 def model(seed: int = 0, n_heads: int = 4, n_kv_heads: int = 2, head_dim: int = 32,
@@ -41,13 +42,14 @@ def model(seed: int = 0, n_heads: int = 4, n_kv_heads: int = 2, head_dim: int = 
 
 
 def decode(m: Transformer, spec: str, layers, steps: int = 6, seqs: int = 2,
-           threads_min_reads: int | None = None) -> tuple[list, int]:
+           threads_min_reads: int | None = None, scales: dict | None = None) -> tuple[list, int]:
     """Two sequences (or the first): a prompt each in chunks of 20 and 13 tokens, then `steps`
     decode steps of both together, through `layers` as the model's layer function; (logits of
     every step, values the cache counted as clipped). threads_min_reads: the CPU kernels' (0:
-    attention shares every call among the threads)."""
+    attention shares every call among the threads); scales: the cache's calibration."""
     m.layers_fn = layers
-    cache = make_cache(m.cfg, KVSpec.parse(spec), blocks=64, block_size=16, max_seqs=2)
+    cache = make_cache(m.cfg, KVSpec.parse(spec), blocks=64, block_size=16, max_seqs=2,
+                       scales=scales)
     if threads_min_reads is not None:
         cache.kernels.direct.__self__.threads_min_reads = threads_min_reads
     gen = torch.Generator().manual_seed(1)
@@ -91,6 +93,26 @@ def test_direct_layers_give_the_layer_by_layer_logits(spec, one_thread, monkeypa
     got, clipped = decode(m, spec, gemv_layer.select_kernels("cpu", REFERENCES)["layers"])
     assert calls == [0, 1] * 6  # every decode step, not the prompts' chunks
     assert clipped == want_clipped == 0  # dynamic scales clip nothing that counts (mse's clips)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+
+
+@pytest.mark.parametrize("spec", ["k=int4:rot:center:smooth,v=int8:center:rot,residual=16,sink=4",
+                                  "k=int2:g32:center:smooth,v=int4:center", "k=fp16:smooth,v=int8"])
+def test_direct_layers_take_calibrated_transforms(spec, one_thread, monkeypatch):
+    """Centered, smoothed and rotated layers (quant.Transform's maps, one compiled call each on
+    both paths) give the layer by layer logits bit for bit."""
+    m = model()
+    L, H, D = m.cfg.n_layers, m.cfg.n_kv_heads, m.cfg.head_dim
+    gen = torch.Generator().manual_seed(4)
+    scales = {"k_center": torch.randn(L, H, D, generator=gen),
+              "v_center": torch.randn(L, H, D, generator=gen),
+              "k_smooth": torch.eye(D) + 0.3 * torch.randn(L, H, D, D, generator=gen) / D**0.5}
+    want, _ = decode(m, spec, run_layers, scales=scales)
+    calls = counted(monkeypatch)
+    got, _ = decode(m, spec, gemv_layer.select_kernels("cpu", REFERENCES)["layers"],
+                    scales=scales)
+    assert calls == [0, 1] * 6
     for g, w in zip(got, want):
         assert torch.equal(g, w)
 
@@ -273,7 +295,7 @@ def test_direct_calls_refuse_rows_the_step_did_not_bind(one_thread):
     k, v = make_pool("int8", H, BS, D, gen), make_pool("fp16", H, BS, D, gen)
     zero, one = torch.zeros(1, dtype=torch.long), torch.ones(1, dtype=torch.int32)
     table = torch.zeros(1, 1, dtype=torch.int32)
-    direct = CpuKernels().direct(zero, zero, table, one, zero, zero, [(k, v)], H * R, D,
+    direct = CpuKernels().direct(zero, zero, one, [(table, [(k, v)])], 0, zero, zero, H * R, D,
                                  D**-0.5, lambda n: None)
     rows = torch.randn(1, H, D).numpy()  # (N, H, D)
     direct.store(0, rows, rows)

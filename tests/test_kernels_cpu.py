@@ -335,6 +335,29 @@ def test_attention_empty_and_layout_checks():
         paged_attention_cpu(q, q_seq, q_pos, strided, k, table, ctx, 0.125)
 
 
+@pytest.mark.parametrize("groups,bias_heads", [(0, 2), (1, 0), (2, 2), (1, 2), (2, 0)])
+def test_head_map_matches_torch(groups, bias_heads):
+    """kernels.cpu_maps: a layer's folded transform on rows (a strided view, as the queries are
+    of the projection's output) equals quant.head_map_ref's torch, maps shared by a group of
+    heads, biases per KV head."""
+    from tinykv.kernels.cpu_maps import head_map_cpu
+    from tinykv.quant import HeadMap, head_map_ref
+
+    gen = torch.Generator().manual_seed(groups * 10 + bias_heads)
+    N, J, D = 3, 8, 64
+    rows = torch.randn(N, J + 2, D, generator=gen)[:, 2:]  # (N, J, D), not contiguous
+    m = HeadMap(torch.randn(groups, D, D, generator=gen) / D**0.5,
+                torch.randn(bias_heads, D, generator=gen))
+    got, want = head_map_cpu(rows, m), head_map_ref(rows, m)
+    torch.testing.assert_close(got, want, atol=TOL, rtol=TOL)
+    exact = rows.double()
+    if groups:
+        exact = (exact.unflatten(1, (groups, -1)) @ m.maps.double()).flatten(1, 2)
+    if bias_heads:
+        exact = exact + m.bias.double().repeat_interleave(J // bias_heads, 0)
+    torch.testing.assert_close(got.double(), exact, atol=TOL, rtol=TOL)
+
+
 def test_module_imports_without_numba():
     code = ("import sys; sys.modules['numba'] = None; from tinykv.kernels import cpu as m; "
             "assert not m.AVAILABLE and 'numba' in m.REASON; print(m.REASON)")

@@ -402,3 +402,32 @@ def test_mse_scale_is_the_clip_that_loses_least(spec):
     assert quantize(x, p, scale, None)[1] == 0
     if p.dtype == "int2":  # rotated-like groups: ~60% of the absmax is the best 2-bit clip
         assert lost(scale).sum() < 0.7 * each[0].sum()
+
+
+def test_transform_maps_fold_its_steps():
+    """quant.Transform's maps (each of queries, keys, values and output one affine map per head,
+    folded in float64) do what its steps do one by one, in float64: center, smooth (S on keys,
+    S^-T on each KV head's queries), rotate; the output turned back and the mean added."""
+    from tinykv.quant import Transform, rotation_matrix
+    gen = torch.Generator().manual_seed(0)
+    H, R, D, N = 2, 3, 32, 4
+    s = torch.eye(D, dtype=torch.float64) + 0.3 * torch.randn(H, D, D, generator=gen,
+                                                              dtype=torch.float64) / D**0.5
+    rk, rv = rotation_matrix(D, 0).double(), rotation_matrix(D, 1).double()
+    mk, mv = (torch.randn(H, D, generator=gen, dtype=torch.float64) for _ in range(2))
+    sq = torch.linalg.inv(s).transpose(-1, -2)
+    t = Transform(rk=rk.float(), rv=rv.float(), mk=mk.float(), mv=mv.float(), sk=s.float(),
+                  sq=sq.float())
+    q, o = (torch.randn(N, H * R, D, generator=gen, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(N, H, D, generator=gen, dtype=torch.float64) for _ in range(2))
+    want_q = torch.einsum("nhrd,hde->nhre", q.unflatten(1, (H, R)), sq).flatten(1, 2) @ rk
+    want_k = torch.einsum("nhd,hde->nhe", k - mk, s) @ rk
+    want_v, want_o = (v - mv) @ rv, o @ rv.T + mv.repeat_interleave(R, 0)
+    for got, want in ((t.queries(q.float()), want_q), (t.keys(k.float()), want_k),
+                      (t.values(v.float()), want_v), (t.output(o.float()), want_o)):
+        torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
+    # scores are unchanged: q S^-T R . (k - mu) S R = q . (k - mu)
+    scores = t.queries(q.float()).unflatten(1, (H, R)) @ t.keys(k.float())[:, :, :, None]
+    exact = q.unflatten(1, (H, R)) @ (k - mk)[:, :, :, None]
+    torch.testing.assert_close(scores.double(), exact, atol=1e-3, rtol=1e-4)
+    assert Transform().identity and Transform().keys(k) is k

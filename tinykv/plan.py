@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .blocks import STORE
+from .blocks import HOT, STORE
 from .offload import StagedChunk
 from .pools import SlotIndex
 
@@ -40,28 +40,33 @@ class Plan:
         `:center`, `:smooth` and `:rot` transform keys (after RoPE), queries and values before
         they reach the pools and the kernels, and the output after (quant.Transform): scores and
         outputs are unchanged in exact arithmetic, and every kernel serves them as is."""
-        transform = self.cache.transforms[layer]
-        q, k, v = transform.queries(q), transform.keys(k), transform.values(v)  # (N, Hq|H, D)
-        self.cache.pools.write(layer, k, v, self.slots)
+        transform, apply = self.cache.transforms[layer], self.cache.kernels.head_map
+        q, k, v = transform.queries(q, apply), transform.keys(k, apply), transform.values(v, apply)
+        self.cache.pools.write(layer, k, v, self.slots)  # k, v (N, H, D); q (N, Hq, D)
         o = self.cache.attend(layer, q, self)  # (N, Hq, D)
         if self.cache.scores is not None:  # policies that keep what queries attend to
             self.cache.score_attention(layer, q, self)
-        return transform.output(o)
+        return transform.output(o, apply)
 
     def direct(self) -> Callable | None:
         """`attend` in numpy, `(layer, q, k, v) -> o (N, Hq * D)`, as the kernels' direct calls
-        (kernels.cpu_direct) where the step asks nothing else of the cache: every token
-        written to the store pool, no hot blocks, offloaded chunks, eviction scores or
-        transforms; None otherwise (then `attend`)."""
+        (kernels.cpu_direct) where the step asks nothing else of the cache: every token written
+        to one pool (the store, or hot blocks), attention over the store and the hot blocks, no
+        offloaded chunks or eviction scores; None otherwise (then `attend`)."""
         cache = self.cache
         if cache.kernels.direct is None or cache.scores is not None or self.offload_chunks \
-                or list(self.tables) != [STORE] or list(self.slots) != [STORE] \
-                or not all(t.identity for t in cache.transforms):
+                or STORE not in self.tables or not set(self.tables) <= {STORE, HOT} \
+                or len(self.slots) != 1:
             return None
-        every, blk, off = self.slots[STORE]
-        if not isinstance(every, slice):  # some tokens go elsewhere
+        (target, (every, blk, off)), = self.slots.items()
+        if target not in self.tables or not isinstance(every, slice):  # some go elsewhere
             return None
+        pools = cache.pools
+        layers = {STORE: pools.views, HOT: pools.hot_views}
+        transforms = None if all(t.identity for t in cache.transforms) else cache.transforms
         cfg = cache.cfg
-        return cache.kernels.direct(self.q_seq, self.q_slots, self.tables[STORE], self.ctx_lens,
-                                    blk, off, cache.pools.views, cfg.n_heads, cfg.head_dim,
-                                    cache.sm_scale, cache.pools.add_saturated)
+        return cache.kernels.direct(self.q_seq, self.q_slots, self.ctx_lens,
+                                    [(table, layers[pool]) for pool, table in self.tables.items()],
+                                    list(self.tables).index(target), blk, off, cfg.n_heads,
+                                    cfg.head_dim, cache.sm_scale,
+                                    pools.add_saturated if target == STORE else None, transforms)

@@ -12,7 +12,10 @@ is midrise, offset 1.5: its four codes are -1.5, -0.5, 0.5 and 1.5 steps).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
+from typing import NamedTuple
 
 import torch
 
@@ -51,6 +54,37 @@ def rotation_matrix(head_dim: int, seed: int) -> torch.Tensor:
     return (q * torch.sign(torch.diagonal(r))).float()  # signs fixed: a unique, seeded Q
 
 
+class HeadMap(NamedTuple):
+    """One affine map of a step's rows (N, J, D): row j becomes x_j @ maps[g] + bias[h], where
+    g = j // (J / G) and h = j // (J / Hb), so that heads of a group share a map or a bias (GQA:
+    a KV head's query heads). Empty tensors mean none: maps (G, D, D) or (0, D, D), bias
+    (Hb, D) or (0, D). head_map_ref applies it in torch; the CPU kernels in one compiled call
+    (kernels.cpu_maps)."""
+    maps: torch.Tensor
+    bias: torch.Tensor
+
+    @property
+    def identity(self) -> bool:
+        return self.maps.shape[0] == 0 and self.bias.shape[0] == 0
+
+
+def head_map_ref(x: torch.Tensor, m: HeadMap) -> torch.Tensor:
+    """x (..., J, D) through the map m (HeadMap), in torch."""
+    if m.maps.shape[0]:
+        x = (x.unflatten(-2, (m.maps.shape[0], -1)) @ m.maps).flatten(-3, -2)  # (..., J, D)
+    if m.bias.shape[0]:
+        x = (x.unflatten(-2, (m.bias.shape[0], -1)) + m.bias[:, None]).flatten(-3, -2)
+    return x
+
+
+class TransformMaps(NamedTuple):
+    """A Transform folded into one HeadMap for each of what it turns."""
+    queries: HeadMap
+    keys: HeadMap
+    values: HeadMap
+    output: HeadMap
+
+
 @dataclass
 class Transform:
     """How one layer's keys, queries and values enter the cache and its attention output leaves,
@@ -69,7 +103,13 @@ class Transform:
     R_k, and its queries by S^-T (q S^-T . k S = q . k). A per-token scale spreads error evenly
     over the stored channels, so S decides where the error lands: calibrate.smooth_maps picks
     the S that makes the expected score error E[(q . err)^2] smallest, which moves it to the
-    directions queries look along least."""
+    directions queries look along least.
+
+    Each of the four is applied as one affine map per head (`maps`, folded in float64 once):
+    keys k S R - mu_k S R, queries q S^-T R, values v R_v - mu_v R_v, the output o R_v^T + mu_v.
+    A decode step's rows are few, so the ops, not the arithmetic, cost the time: one product
+    and one add, where the steps one by one were up to seven torch ops. `apply` (HeadMap's
+    contract) is head_map_ref, or the cache's kernels' (kernels.Kernels.head_map)."""
 
     rk: torch.Tensor | None = None  # (D, D)
     rv: torch.Tensor | None = None  # (D, D)
@@ -78,35 +118,52 @@ class Transform:
     sk: torch.Tensor | None = None  # (H, D, D): S, applied to keys
     sq: torch.Tensor | None = None  # (H, D, D): S^-T, applied to the queries of head h
 
-    def queries(self, q: torch.Tensor) -> torch.Tensor:
+    def queries(self, q: torch.Tensor, apply: Callable = head_map_ref) -> torch.Tensor:
         """q (..., Hq, D) as the kernels meet it."""
-        if self.sq is not None:  # GQA: the n_rep query heads of KV head h share its map
-            qg = q.unflatten(-2, (self.sq.shape[0], -1))  # (..., H, n_rep, D)
-            q = torch.einsum("...hrd,hde->...hre", qg, self.sq).flatten(-3, -2)
-        return q if self.rk is None else q @ self.rk  # (..., Hq, D)
+        return q if self.maps.queries.identity else apply(q, self.maps.queries)
 
-    def keys(self, k: torch.Tensor) -> torch.Tensor:
+    def keys(self, k: torch.Tensor, apply: Callable = head_map_ref) -> torch.Tensor:
         """k (N, H, D) as the cache stores it."""
-        if self.mk is not None:
-            k = k - self.mk
-        if self.sk is not None:
-            k = torch.einsum("nhd,hde->nhe", k, self.sk)  # each head by its own S
-        return k if self.rk is None else k @ self.rk
+        return k if self.maps.keys.identity else apply(k, self.maps.keys)
 
-    def values(self, v: torch.Tensor) -> torch.Tensor:
+    def values(self, v: torch.Tensor, apply: Callable = head_map_ref) -> torch.Tensor:
         """v (N, H, D) as the cache stores it."""
-        if self.mv is not None:
-            v = v - self.mv
-        return v if self.rv is None else v @ self.rv
+        return v if self.maps.values.identity else apply(v, self.maps.values)
 
-    def output(self, o: torch.Tensor) -> torch.Tensor:
+    def output(self, o: torch.Tensor, apply: Callable = head_map_ref) -> torch.Tensor:
         """o (N, Hq, D) over stored values -> the attention output over the model's values."""
-        if self.rv is not None:
-            o = o @ self.rv.T  # sum p (v R) = (sum p v) R
-        if self.mv is not None:  # GQA: the n_rep query heads of KV head h share its mean
-            n_rep = o.shape[-2] // self.mv.shape[0]
-            o = o + self.mv.repeat_interleave(n_rep, 0)  # (Hq, D)
-        return o
+        return o if self.maps.output.identity else apply(o, self.maps.output)
+
+    @cached_property
+    def maps(self) -> TransformMaps:
+        """The four maps, folded from the fields in float64 when first used."""
+        def f64(t):
+            return None if t is None else t.double()
+        rk, rv, mk, mv, sk, sq = map(f64, (self.rk, self.rv, self.mk, self.mv, self.sk, self.sq))
+        like = next(t for t in (self.rk, self.rv, self.mk, self.mv, self.sk, self.sq, _NONE)
+                    if t is not None)
+        D = like.shape[-1]
+
+        def head_map(maps, bias):
+            maps = torch.zeros(0, D, D, dtype=torch.float64) if maps is None else maps
+            bias = torch.zeros(0, D, dtype=torch.float64) if bias is None else bias
+            return HeadMap(maps.to(like.device, like.dtype).contiguous(),
+                           bias.to(like.device, like.dtype).contiguous())
+
+        def then_rotate(m, r):  # m (H, D, D) or None, then r (D, D) or None
+            if r is None:
+                return m
+            return r[None] if m is None else m @ r
+
+        k_map = then_rotate(sk, rk)  # (H | 1, D, D)
+        k_bias = None
+        if mk is not None:  # -(mu_k S R), each head's
+            k_bias = -mk if k_map is None else -(mk[:, None, :] @ k_map).squeeze(-2)
+        v_map = None if rv is None else rv[None]
+        v_bias = None if mv is None else -(mv if rv is None else mv @ rv)
+        return TransformMaps(queries=head_map(then_rotate(sq, rk), None),
+                             keys=head_map(k_map, k_bias), values=head_map(v_map, v_bias),
+                             output=head_map(None if rv is None else rv.T[None], mv))
 
     @property
     def identity(self) -> bool:
@@ -117,6 +174,9 @@ class Transform:
         moved = [None if t is None else t.to(device, dtype) for t in
                  (self.rk, self.rv, self.mk, self.mv, self.sk, self.sq)]
         return Transform(*moved)
+
+
+_NONE = torch.zeros(1, 1)  # an identity Transform's maps: empty, of any size
 
 
 def layer_transforms(spec: KVSpec, n_layers: int, head_dim: int,

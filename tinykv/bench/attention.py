@@ -266,8 +266,8 @@ def fixed_costs(spec: str, calls: int = 300, rounds: int = 5) -> dict:
     if not side.block_wise:
         out |= _costs("store", lambda: kernels.store(x, side, pool.data, pool.scale, pool.zero,
                                                      zero, zero), calls, rounds)
-    direct = kernels.direct(zero, zero, table, one, zero, zero, [(k, v)], H * R, D, D**-0.5,
-                            lambda n: None)
+    direct = kernels.direct(zero, zero, one, [(table, [(k, v)])], 0, zero, zero, H * R, D,
+                            D**-0.5, lambda n: None)
     if direct is not None:
         q_rows, x_rows = q.numpy(), x.numpy()
         out |= _costs("direct_attend", lambda: direct.attend(0, q_rows), calls, rounds)

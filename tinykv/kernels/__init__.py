@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from ..blocks import CacheError
+from ..quant import head_map_ref
 from .layout import PoolLayer, StoredFormat, check_layout, stored_format
 from .reference import merge_partials, paged_attention_ref, quantize_store_ref
 
@@ -45,6 +46,8 @@ class Kernels:
     # A step's store and attention as numpy calls, layer by layer (cpu.CpuKernels.direct), or
     # None where the implementation has none: the cache then goes through store and attend.
     direct: Callable | None = None
+    # quant.head_map_ref's contract: how a layer's transform (quant.Transform) meets the rows
+    head_map: Callable = head_map_ref
 
 
 def select_kernels(attention: str, device: torch.device) -> Kernels:
@@ -72,7 +75,8 @@ def select_kernels(attention: str, device: torch.device) -> Kernels:
         from . import cpu
         kernels = cpu.CpuKernels()  # one per cache: it keeps the arguments it converts
         return Kernels("cpu", kernels.attend, kernels.store, reads_host_memory=True,
-                       merge=cpu.merge_partials_cpu, direct=kernels.direct)
+                       merge=cpu.merge_partials_cpu, direct=kernels.direct,
+                       head_map=cpu.head_map_cpu)
     return Kernels("torch", paged_attention_ref, quantize_store_ref,
                    reads_host_memory=device.type == "cpu")
 

@@ -29,7 +29,8 @@ import torch
 
 from ..spec import QuantParams
 from .cpu_args import PoolArrays, as_index, pool_arrays, readable
-from .cpu_direct import DirectLayers, Resolved, layer_calls
+from .cpu_direct import DirectLayers, PoolCalls, Resolved, layer_calls
+from .cpu_maps import head_map_cpu, head_map_rows  # noqa: F401 (a layer's transform)
 from .cpu_numerics import AVAILABLE, REASON, njit, numba, use_threads
 from .cpu_plain import attention_kernel
 from .cpu_store import quantize_store_cpu, store_args, store_rows  # noqa: F401 (the store)
@@ -106,7 +107,9 @@ class CpuKernels:
         self._threads_set = 0  # torch's thread count numba was last set to follow
         self._slots: tuple = (None, None, None)  # the last store's (blk, off, versions, arrays)
         self._scale = (None, None)  # the softmax scale, and as the kernels take it
-        self._layers = None  # direct: (the layers' pools, (Hq, D), their calls), made once
+        self._maps: tuple = (None, None)  # direct: a cache's transforms, and as numpy arrays
+        self._layers: dict[int, tuple] = {}  # direct: id(a pool's layers) -> (its layers,
+        # (Hq, D), their calls), made once
 
     def attend(self, q: torch.Tensor, q_seq: torch.Tensor, q_pos: torch.Tensor, k: PoolLayer,
                v: PoolLayer, block_table: torch.Tensor, ctx_lens: torch.Tensor, sm_scale: float,
@@ -142,31 +145,44 @@ class CpuKernels:
             _merge_splits(o, lse)
         return torch.from_numpy(o[0]), torch.from_numpy(lse[0])
 
-    def direct(self, q_seq: torch.Tensor, q_pos: torch.Tensor, table: torch.Tensor,
-               ctx_lens: torch.Tensor, blk: torch.Tensor, off: torch.Tensor,
-               layers: list[tuple[PoolLayer, PoolLayer]], Hq: int, D: int, sm_scale: float,
-               count_saturated: Callable[[int], None]) -> DirectLayers | None:
-        """A step's `store` (every token at blk, off) and `attend` for each layer's pools
-        (K, V), as numpy calls, the attention shared among threads as `attend` shares it; None
-        where the step needs more than one kernel call a layer (prefill chunks) or a pool is not
-        read or written in place. Clipped values go to `count_saturated`, as the pools count
-        them."""
-        step = self._step(q_seq, q_pos, table, ctx_lens)
-        if step.chunked or q_seq.dim() != 1:
-            return None
-        if self._layers is None or self._layers[0] is not layers or self._layers[1] != (Hq, D):
-            calls = layer_calls(layers, lambda k, v: self._call(k, v, Hq, D))
-            self._layers = (layers, (Hq, D), calls)
-        if self._layers[2] is None:
-            return None
+    def direct(self, q_seq: torch.Tensor, q_pos: torch.Tensor, ctx_lens: torch.Tensor,
+               pools: list[tuple[torch.Tensor, list[tuple[PoolLayer, PoolLayer]]]], target: int,
+               blk: torch.Tensor, off: torch.Tensor, Hq: int, D: int, sm_scale: float,
+               count_saturated: Callable[[int], None] | None,
+               transforms: list | None = None) -> DirectLayers | None:
+        """A step's `store` (every token at blk, off of pool `target`) and `attend` over each
+        pool (its block table, each layer's pools K, V; partials merged in this order), as
+        numpy calls, the attention shared among threads as `attend` shares it; None where the
+        step needs more than one kernel call a pool and layer (prefill chunks) or a pool is not
+        read or written in place. Clipped values go to `count_saturated` (None: not counted),
+        as the pools count them; `transforms`: each layer's quant.Transform (their float32
+        maps converted once per cache), or None where no layer has one."""
+        parts = []
+        for table, layers in pools:
+            step = self._step(q_seq, q_pos, table, ctx_lens)
+            if step.chunked or q_seq.dim() != 1:
+                return None
+            known = self._layers.get(id(layers))
+            if known is None or known[0] is not layers or known[1] != (Hq, D):
+                known = (layers, (Hq, D), layer_calls(layers, lambda k, v: self._call(k, v, Hq, D)))
+                self._layers[id(layers)] = known
+            calls = known[2]
+            if calls is None:
+                return None
+            share = (1, 1)
+            if calls:  # the first layer's formats stand for all
+                share = self._share(step, calls[0].kv_heads, _key_bytes(*layers[0]))
+            parts.append(PoolCalls(step, calls, share))
         if sm_scale != self._scale[0]:
             self._scale = (sm_scale, np.float32(sm_scale))
-        calls = self._layers[2]
-        share = (1, 1)
-        if calls:  # the first layer's formats stand for all
-            share = self._share(step, calls[0].kv_heads, _key_bytes(*layers[0]))
-        return DirectLayers(step, as_index(blk, np.int64), as_index(off, np.int64), calls,
-                            self._scale[1], count_saturated, Hq, D, share, _MERGE)
+        if transforms is not None and self._maps[0] is not transforms:
+            if any(m.maps.dtype != torch.float32 for t in transforms for m in t.maps):
+                return None
+            self._maps = (transforms, [None if t.identity else _as_arrays(t.maps)
+                                       for t in transforms])
+        return DirectLayers(parts, target, as_index(blk, np.int64), as_index(off, np.int64),
+                            self._scale[1], count_saturated, Hq, D, _MERGE,
+                            None if transforms is None else self._maps[1])
 
     def _share(self, step: _Step, H: int, key_bytes: int,
                num_splits: int | None = None) -> tuple[int, int]:
@@ -270,6 +286,11 @@ class CpuKernels:
             o[~chunk], lse[~chunk] = self.attend(q[~chunk], q_seq[~chunk], q_pos[~chunk], k, v,
                                                  table, ctx_lens, sm_scale, num_splits)
         return o, lse
+
+
+def _as_arrays(maps: tuple) -> tuple:
+    """quant.TransformMaps as the direct calls take them: each HeadMap as (maps, bias) numpy."""
+    return tuple((m.maps.numpy(), m.bias.numpy()) for m in maps)
 
 
 def _key_bytes(k: PoolLayer, v: PoolLayer) -> int:

@@ -8,10 +8,11 @@ runs with cold caches, where it costs many times what it costs in a loop (bench 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
+from .cpu_maps import head_map_rows
 from .cpu_numerics import use_threads
 from .cpu_store import compiled_store_pair, store_args
 from .layout import PoolLayer, empty_rows
@@ -67,72 +68,133 @@ class LayerCalls(NamedTuple):
     block_size: int
 
 
+# a layer's transform on a step's rows: its arguments but the rows are always the same types
+_HEAD_MAP = Resolved(head_map_rows, 0)
+
+
+class PoolCalls(NamedTuple):
+    """One pool a direct step attends (the store, or the hot blocks beside it): its layers'
+    calls, the step's metadata over its block table (cpu._Step), and how its attention is
+    shared (CpuKernels._share: threads, splits of each query's blocks)."""
+    step: Any
+    layers: list[LayerCalls]
+    share: tuple[int, int]
+
+
 class DirectLayers:
     """One decode step's store and attention, a layer at a time, in numpy (CpuKernels.direct).
     Everything but the rows is bound when the step begins (each layer's arguments, the outputs),
     so a call checks the rows, finds its compiled version and calls it: in a decode step every
     line here runs with cold caches, between two layers' weight reads (bench kernel --cpu's cold
-    fixed costs)."""
+    fixed costs).
 
-    def __init__(self, step, blk: np.ndarray, off: np.ndarray, layers: list[LayerCalls],
-                 sm_scale: np.float32, count_saturated: Callable[[int], None], Hq: int, D: int,
-                 share: tuple[int, int], merge: Callable):
-        """step: the step's metadata as numpy (cpu._Step); blk, off (N,): every token's slot;
-        share: (threads, splits of each query's blocks) of the attention (CpuKernels._share);
-        merge: cpu._merge_splits, which folds the splits into the first."""
-        self.layers, self.count_saturated = layers, count_saturated
-        N = step.n_queries
-        H = layers[0].kv_heads if layers else 0
+    A step may attend two pools, the store and its hot blocks (a residual window, sinks), each
+    over its own block table, merged by log-sum-exp as cache.attend merges them; and a layer
+    may transform what enters the cache and what leaves it (quant.Transform: the same torch
+    maps as Plan.attend, by the same compiled call, so the same numbers)."""
+
+    def __init__(self, pools: list[PoolCalls], target: int, blk: np.ndarray, off: np.ndarray,
+                 sm_scale: np.float32, count_saturated: Callable[[int], None] | None, Hq: int,
+                 D: int, merge: Callable, transforms: list | None = None):
+        """pools: in the order their partials merge; target: the pool the new tokens go to, at
+        blk, off (N,); count_saturated: where clipped values are counted (None: not counted, as
+        for hot blocks, a cast); merge: cpu._merge_splits, which folds partials into the first;
+        transforms: each layer's quant.TransformMaps as numpy arrays (queries, keys, values,
+        output: each (maps, bias)), or None where it has none."""
+        self.count_saturated = count_saturated
+        self.transforms = transforms or [None] * len(pools[0].layers)
+        N = pools[0].step.n_queries
+        H = pools[0].layers[0].kv_heads if pools[0].layers else 0
         self.q_shape, self.kv_shape = (N, Hq, D), (N, H, D)
-        self.threads, splits = share
-        self.merge = merge if splits > 1 else None
-        self.items = splits * N * H  # work items of a layer's attention: (query, split, KV head)
         # every layer's outputs in the same arrays: an np.empty between two layers' weight reads
-        # would run with cold caches, as every op there does
-        self.out = (empty_rows((splits, N, Hq, D)), empty_rows((splits, N, Hq)))  # o, lse
-        self.o_rows = self.out[0][0].reshape(N, Hq * D)  # a view: o as the next product reads it
-        self.attend_args = [(step.q_seq, step.q_pos, step.table, step.ctx_lens, calls.k_arrays,
-                             calls.v_arrays, H, calls.block_size, sm_scale, *self.out)
-                            for calls in layers]
-        self.store_args = [(blk, off, *calls.store_args) for calls in layers]
-        assert all(calls.kv_heads == H for calls in layers), "every layer has H KV heads"
+        # would run with cold caches, as every op there does. With two pools, each one's merged
+        # partial is a row of `both`, merged into its first
+        both = None
+        if len(pools) > 1:
+            both = (empty_rows((len(pools), N, Hq, D)), empty_rows((len(pools), N, Hq)))
+        self.merge, self.both = merge, both
+        self.parts = []  # per pool: (attend calls, threads, work items, out, args per layer)
+        for at, pool in enumerate(pools):
+            threads, splits = pool.share
+            if both is not None and splits == 1:  # the kernel writes its row of `both`
+                out = (both[0][at:at + 1], both[1][at:at + 1])
+            else:
+                out = (empty_rows((splits, N, Hq, D)), empty_rows((splits, N, Hq)))  # o, lse
+            args = [(pool.step.q_seq, pool.step.q_pos, pool.step.table, pool.step.ctx_lens,
+                     calls.k_arrays, calls.v_arrays, H, calls.block_size, sm_scale, *out)
+                    for calls in pool.layers]
+            self.parts.append((pool.layers, threads, splits * N * H, out, args))
+            assert all(calls.kv_heads == H for calls in pool.layers), "every layer has H KV heads"
+        self.o = both[0][0] if both is not None else self.parts[0][3][0][0]  # (N, Hq, D)
+        self.o_rows = self.o.reshape(N, Hq * D)  # a view: o as the next product reads it
+        self.stores = pools[target].layers
+        self.store_args = [(blk, off, *calls.store_args) for calls in self.stores]
+        # what the transforms write: q, k, v as the cache meets them, and the output
+        self.turned = (empty_rows(self.q_shape), empty_rows(self.kv_shape),
+                       empty_rows(self.kv_shape), empty_rows(self.q_shape))
+        self.turned_rows = self.turned[3].reshape(self.o_rows.shape)
 
     def __call__(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
         """Store k, v (N, H, D) float32 of `layer`, then attend q (N, Hq, D) -> o (N, Hq * D),
-        the same array every call (overwritten by the next)."""
+        the same array every call where the layer has no transform (overwritten by the next)."""
+        maps = self.transforms[layer]
+        if maps is None:
+            self.store(layer, k, v)
+            self.attend(layer, q)
+            return self.o_rows
+        q, k, v = (self.turn(x, m, out) for x, m, out in zip((q, k, v), maps, self.turned))
         self.store(layer, k, v)
-        self.attend(layer, q)
-        return self.o_rows
+        o = self.turn(self.attend(layer, q), maps[3], self.turned[3])  # (N, Hq, D)
+        return self.turned_rows if o is self.turned[3] else self.o_rows
+
+    @staticmethod
+    def turn(x: np.ndarray, m: tuple, out: np.ndarray) -> np.ndarray:
+        """x through one map of a layer's transform (cpu_maps.head_map_rows) into out; x
+        itself where the map is none, as quant.Transform leaves it."""
+        maps, bias = m
+        if maps.shape[0] == 0 and bias.shape[0] == 0:
+            return x
+        if x.dtype is not _FLOAT32 or x.shape != out.shape:
+            x, = _checked(out.shape, x)
+        _HEAD_MAP.entries.get(x.flags.num & TYPED_FLAGS, _HEAD_MAP)(x, maps, bias, out)
+        return out
 
     def store(self, layer: int, k: np.ndarray, v: np.ndarray) -> None:
         """CpuKernels.store of k, then of v (N, H, D) float32, without the conversions."""
         if k.dtype is not _FLOAT32 or v.dtype is not _FLOAT32 or k.shape != self.kv_shape \
                 or v.shape != self.kv_shape:
             k, v = _checked(self.kv_shape, k, v)
-        calls = self.layers[layer].store
+        calls = self.stores[layer].store
         layout = k.flags.num & TYPED_FLAGS | (v.flags.num & TYPED_FLAGS) << 16
         n_sat = calls.entries.get(layout, calls)(k, v, *self.store_args[layer])
-        if n_sat:
+        if n_sat and self.count_saturated is not None:
             self.count_saturated(n_sat)
 
     def attend(self, layer: int, q: np.ndarray) -> np.ndarray:
-        """CpuKernels.attend of q (N, Hq, D) float32, without the conversions. The output is
-        overwritten by the next call: read it before attending another layer."""
+        """CpuKernels.attend of q (N, Hq, D) float32 over each pool, merged, without the
+        conversions. The output is overwritten by the next call: read it before attending
+        another layer."""
         if q.dtype is not _FLOAT32 or q.shape != self.q_shape:
             q, = _checked(self.q_shape, q)
         if not q.flags.c_contiguous:  # the kernel reads q at flat offsets
             q = np.ascontiguousarray(q)
         layout = q.flags.num & TYPED_FLAGS
-        if self.threads == 1:
-            calls = self.layers[layer].attend
-            calls.entries.get(layout, calls)(0, self.items, q, *self.attend_args[layer])
-        else:
-            use_threads(self.threads)
-            calls = self.layers[layer].attend_parallel
-            calls.entries.get(layout, calls)(self.threads, q, *self.attend_args[layer])
-        if self.merge is not None:
-            self.merge(*self.out)
-        return self.out[0][0]  # (N, Hq, D)
+        for at, (layers, threads, items, out, args) in enumerate(self.parts):
+            if threads == 1:
+                calls = layers[layer].attend
+                calls.entries.get(layout, calls)(0, items, q, *args[layer])
+            else:
+                use_threads(threads)
+                calls = layers[layer].attend_parallel
+                calls.entries.get(layout, calls)(threads, q, *args[layer])
+            if out[0].shape[0] > 1:  # splits of each query's blocks
+                self.merge(*out)
+                if self.both is not None:  # this pool's partial into its row of `both`
+                    self.both[0][at] = out[0][0]
+                    self.both[1][at] = out[1][0]
+        if self.both is not None:
+            self.merge(*self.both)
+        return self.o  # (N, Hq, D)
 
 
 def layer_calls(layers: list[tuple[PoolLayer, PoolLayer]],
