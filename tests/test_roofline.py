@@ -168,6 +168,39 @@ def test_cli(tiny, tmp_path, monkeypatch, capsys):
     assert "| tinykv `int8`" in capsys.readouterr().out
 
 
+def test_cli_times_calibrated_specs_with_their_scale_file(tiny, tmp_path, monkeypatch, capsys):
+    """--kv-scales gives a centered, smoothed, rotated spec (and its per-layer parts) their
+    calibration; a calibrated spec without the file, or the file without such a spec, is a
+    one-line usage error before anything runs."""
+    from tinykv.calibrate import calibrate
+    from tinykv.cli import main
+    from tinykv.scalefile import save_scales
+    from tinykv.spec import KVSpec
+
+    d, model = tiny
+    spec = "k=int4:rot:center:smooth,v=int4:rot,k@1=int2:g32:center:smooth,residual=16,sink=4"
+    tokens = torch.randint(0, model.cfg.vocab_size, (96,), generator=torch.Generator()
+                           .manual_seed(0)).tolist()
+    scales_file = tmp_path / "s.safetensors"
+    kv = KVSpec.parse(spec)
+    save_scales(scales_file, calibrate(model, tokens, kv, window=64), model.cfg, kv, "minmax", 96)
+    monkeypatch.setitem(rl.MODES, "quick", TINY)
+    out = tmp_path / "r.json"
+    base = ["bench", "roofline", "--quick", "--weights", str(d), "--threads", "1",
+            "--no-transformers", "--out", str(out)]
+    assert main(base + ["--kv", "fp16", spec, "--kv-scales", str(scales_file)]) == 0
+    res = json.loads(out.read_text())
+    rows = [r for r in res["runs"][0]["decode"] if r["kv"] == spec]
+    assert len(rows) == 2 and all(r["ms"] > 0 for r in rows)
+    assert [r["kv"] for r in res["runs"][0]["kernel"]["rows"]
+            if r["kv"] == spec] == []  # synthetic pools: one format pair, not per-layer parts
+    capsys.readouterr()
+    assert main(base + ["--kv", spec]) == 1
+    assert "--kv-scales" in capsys.readouterr().err
+    assert main(base + ["--kv", "int8", "--kv-scales", str(scales_file)]) == 1
+    assert "no KV spec" in capsys.readouterr().err
+
+
 def test_evicting_specs_are_timed_against_the_full_cache():
     rows = [{"engine": "tinykv", "kv": kv, "batch": 1, "context": 8000, "tok_s": t}
             for kv, t in [("int8", 10.0), ("int8,sink=4,evict=streaming:1024", 30.0),

@@ -34,7 +34,8 @@ import torch
 from ..cache import PagedKVCache, make_cache
 from ..model import Config, Transformer
 from ..outputs import write_text
-from ..spec import KVSpec
+from ..scalefile import load_scales
+from ..spec import KVSpec, SpecError
 from . import attention
 from .ceilings import linear_macs, measure_bandwidth, seconds, set_threads, weight_bytes
 from .charts import roofline_charts
@@ -92,12 +93,23 @@ def fill(cache: PagedKVCache, seq_ids: list[int], context: int, gen: torch.Gener
             done += n
 
 
+def scales_for(cfg: Config, spec: str, path: str | Path | None) -> dict | None:
+    """The calibration a spec's cache needs (centers, smoothing maps, static scales) from the
+    scale file at `path`, or None where it needs none."""
+    kv = KVSpec.parse(spec)
+    if path is None or not kv.needs_scales:
+        return None
+    return load_scales(path, cfg, kv)
+
+
 @torch.inference_mode()
-def bench_attention(cfg: Config, spec: str, context: int, reps: int, bandwidth: float) -> dict:
-    """ms of `cache.attend` over all layers for one decode token after `context` cached ones."""
+def bench_attention(cfg: Config, spec: str, context: int, reps: int, bandwidth: float,
+                    scales: str | Path | None = None) -> dict:
+    """ms of `cache.attend` over all layers for one decode token after `context` cached ones
+    (scales: the scale file of a spec that needs one)."""
     gen = torch.Generator().manual_seed(context)
     with make_cache(cfg, spec, tokens=context + 1, max_seqs=1, device="cpu",
-                    dtype=torch.float32) as cache:
+                    dtype=torch.float32, scales=scales_for(cfg, spec, scales)) as cache:
         fill(cache, [0], context, gen)
         filled = cache.slots(0)
         plan = cache.plan([0], [[5]])
@@ -143,11 +155,12 @@ def _row(engine: str, kv: str, batch: int, context: int, measured: tuple, w_byte
 
 @torch.inference_mode()
 def decode_tinykv(model: Transformer, specs: list[str], batch: int, context: int,
-                  steps: int) -> dict:
+                  steps: int, scales: str | Path | None = None) -> dict:
     """spec -> (step seconds, mean KV bytes per step, the parts' ms per step): `steps` real decode
     steps (plan, model, commit; one more untimed first) of `batch` sequences holding `context`
     synthetic tokens, the specs' steps taken in turn so that a slow moment of a shared machine
-    falls on all of them alike; then `steps` more per spec with the parts timed."""
+    falls on all of them alike; then `steps` more per spec with the parts timed. scales: the
+    scale file of the specs that need one."""
     seq_ids = list(range(batch))
     tokens = torch.full((batch,), 5, dtype=torch.long)  # (B,)
     with ExitStack() as stack:
@@ -156,7 +169,7 @@ def decode_tinykv(model: Transformer, specs: list[str], batch: int, context: int
             gen = torch.Generator().manual_seed(batch * context)  # the same tokens for each
             caches[spec] = stack.enter_context(make_cache(
                 model.cfg, spec, tokens=batch * (context + 2 * steps + 1), max_seqs=batch,
-                device="cpu", dtype=torch.float32))
+                device="cpu", dtype=torch.float32, scales=scales_for(model.cfg, spec, scales)))
             fill(caches[spec], seq_ids, context, gen)
 
         def step(cache: PagedKVCache) -> None:
@@ -277,8 +290,9 @@ def kernel_table(specs: list[str], mode: dict, threads: int, tick: Tick) -> dict
 
 
 def collect(model: Transformer, hf, mode: dict, specs: list[str], threads: list[int],
-            tick: Tick = _progress) -> dict:
-    """Every measurement of `mode` (see MODES) at each thread count; hf None: tinykv only."""
+            tick: Tick = _progress, scales: str | Path | None = None) -> dict:
+    """Every measurement of `mode` (see MODES) at each thread count; hf None: tinykv only;
+    scales: the scale file of the specs that need one."""
     hf_q = hf is not None and importlib.util.find_spec("optimum.quanto") is not None
     hf_kinds = [] if hf is None else [("default", False)]  # (name, quantized) caches timed
     if hf_q:
@@ -292,18 +306,21 @@ def collect(model: Transformer, hf, mode: dict, specs: list[str], threads: list[
         # one core's FMA loop (attention.fma_peak) times the threads: the cores are alike
         fma = attention.fma_peak() * n if attention.AVAILABLE else 0.0
         tick(f"{n} threads: bandwidth and FMA peak")
-        kernel = kernel_table(specs, mode, n, tick)
+        # the kernel table's pools are synthetic, one format pair a spec: not per-layer specs
+        kernel = kernel_table([s for s in specs if not KVSpec.parse(s).per_layer], mode, n,
+                              tick)
         attn = []
         for spec in specs:
             for ctx in mode["contexts"]:
-                attn.append(bench_attention(model.cfg, spec, ctx, mode["attn_reps"], bw["gb_s"]))
+                attn.append(bench_attention(model.cfg, spec, ctx, mode["attn_reps"], bw["gb_s"],
+                                            scales))
                 tick(f"{n} threads: attention {spec} {ctx}")
         decode = []
         for batch, ctx in mode["shapes"]:
             # the decode steps (timed, then as many with timers) must fit in the model's context:
             # 8192 becomes 8192 - 2 * steps - 2
             ctx = min(ctx, model.cfg.max_seq_len - 2 * mode["steps"] - 2)
-            measured = decode_tinykv(model, specs, batch, ctx, mode["steps"])
+            measured = decode_tinykv(model, specs, batch, ctx, mode["steps"], scales)
             for spec in specs:
                 decode.append(_row("tinykv", spec, batch, ctx, measured[spec], w_bytes,
                                    bw["gb_s"], (macs, fma)))
@@ -367,15 +384,29 @@ def render(results: dict) -> str:
     return "\n".join(out)
 
 
+def chart_label(kv: str) -> str:
+    """A spec as the charts name it: KIVI-style by name, a spec with parts per layer by their
+    count (its whole string is in the tables and the JSON)."""
+    if kv == KIVI:
+        return "KIVI"
+    try:
+        parts = KVSpec.parse(kv).per_layer
+    except SpecError:  # a peer's cache (transformers' default, quanto's)
+        return kv
+    return f"per-layer spec ({len(parts)} parts)" if parts else kv
+
+
 def run(model: Transformer, weights: Path | None, quick: bool = False,
         threads: list[int] | None = None, specs: list[str] | None = None,
         transformers: bool = True, out: str | Path = "bench/roofline-new.json",
         command: str = "python -m tinykv bench roofline",
-        shapes: list[tuple[int, int]] | None = None, steps: int | None = None) -> dict:
+        shapes: list[tuple[int, int]] | None = None, steps: int | None = None,
+        scales: str | Path | None = None) -> dict:
     """The whole roofline benchmark on `model` (on the CPU, float32; transformers loads the same
     `weights`); writes the JSON and the chart beside it, prints the tables, restores threads.
     `shapes` (batch, context) replace the mode's decode shapes, and their contexts its attention
-    contexts; `steps` its timed decode steps."""
+    contexts; `steps` its timed decode steps; `scales` the scale file of the specs that need
+    one (calibrated centers, smoothing maps or static scales)."""
     w = next(model.parameters())
     if w.device.type != "cpu" or w.dtype != torch.float32:
         raise ValueError("bench roofline measures the CPU: load the model with --device cpu "
@@ -396,12 +427,12 @@ def run(model: Transformer, weights: Path | None, quick: bool = False,
         mode["steps"] = steps
     try:
         res.update(collect(model, hf, mode, specs or list(DEFAULT_SPECS),
-                           threads or [1, 2], _progress))
+                           threads or [1, 2], _progress, scales))
     finally:
         set_threads(before)
     out = Path(out)
     res["charts"] = roofline_charts(res, out.with_suffix(".png"),
-                                    lambda kv: "KIVI" if kv == KIVI else kv)
+                                    chart_label)
     write_text(out, json.dumps(res, indent=1), make_folders=True)
     print(render(res))
     pngs = [p for made in res["charts"].values() for p in made if p]

@@ -98,12 +98,22 @@ def cmd_bench_roofline(args) -> None:
 
     pngs = roofline_chart_paths(Path(args.out).with_suffix(".png"), args.thread_counts)
     check_io(args, {f"the chart {p.name}": p for p in pngs})
+    calibrated = [s for s in args.kv or [] if s.needs_scales]
+    if calibrated and not args.kv_scales:
+        raise UsageError(f"KV spec '{calibrated[0]}' takes scales, means or maps from "
+                         "calibration: give --kv-scales FILE (tinykv calibrate makes it)")
+    if args.kv_scales and not calibrated:
+        raise UsageError("--kv-scales given but no KV spec has a static, centered or smoothed "
+                         "part")
     model, path = load_model(args)
+    from ..scalefile import load_scales
+    for spec in calibrated:  # a file that does not fit a spec is refused before the runs
+        load_scales(args.kv_scales, model.cfg, spec)
     specs = [str(s) for s in args.kv] if args.kv else None
     command = " ".join(["python -m tinykv bench", *map(shlex.quote, sys.argv[2:])])
     roofline.run(model, path, quick=args.quick, threads=args.thread_counts, specs=specs,
                  transformers=not args.no_transformers, out=args.out, command=command,
-                 shapes=args.shapes, steps=args.steps)
+                 shapes=args.shapes, steps=args.steps, scales=args.kv_scales)
 
 
 def cmd_bench_quality(args) -> None:

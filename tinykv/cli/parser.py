@@ -282,6 +282,8 @@ def add_roofline_parser(bsub: argparse._SubParsersAction) -> None:
                         "spec compacts once per block of steps, so >= the block size times it")
     r.add_argument("--out", default="bench/roofline-new.json", metavar="JSON",
                    help="results JSON; the chart goes beside it")
+    r.add_argument("--kv-scales", metavar="FILE", help="scales, means and maps for the specs "
+                   "that take them (tinykv calibrate)")
     r.add_argument("--weights", metavar="DIR", help="model folder (default: SmolLM2-135M)")
     r.add_argument("--no-transformers", action="store_true", help="tinykv only")
     r.set_defaults(prog=r.prog)
