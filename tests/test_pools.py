@@ -170,3 +170,36 @@ def test_calibrated_centers_and_scales_of_a_centered_spec():
     assert cache.saturated == 0 and (got - m(torch.tensor([toks]))[0]).abs().max() < 0.05
     with pytest.raises(CalibrationError, match="centering"):
         export_vllm(scales, spec, "/nonexistent/never-written.safetensors")
+
+
+@pytest.mark.parametrize("spec", ["int4,residual=16", "k=int2:g32:mse,v=int8:asym,residual=16",
+                                  "k=fp8:token,v=int4:g16,residual=16,hot=fp16",
+                                  "k=int4:channel:asym,v=int2:g64:mse,residual=16"])
+def test_a_full_hot_block_is_stored_as_the_reference_stores_its_tokens(spec):
+    """pools.quantize_hot: a hot block's tokens go into the store block through the store
+    kernel, layer by layer, bit for bit what quantize_store_ref makes of them; keys whose
+    scales span the block (per channel) are made over the block in torch."""
+    from tinykv.kernels.reference import quantize_store_ref
+
+    m = tiny()
+    cache = make_cache(m.cfg, spec, blocks=8, block_size=16)
+    pools = cache.pools
+    gen = torch.Generator().manual_seed(2)
+    pools.hot.copy_(torch.randn(pools.hot.shape, generator=gen) * 3)
+    hot_b, b = 1, 5
+    pools.quantize_hot(hot_b, b)
+    for layer in range(m.cfg.n_layers):
+        for which, view in enumerate(pools.views[layer]):
+            x = pools.hot[which, layer, hot_b].float()  # (H, BS, D)
+            if view.p.block_wise:  # the block's own scales: its tokens within one step
+                s, z = compute_scales(x, view.p)
+                want = dequantize(quantize(x, view.p, s, z)[0], view.p, s, z)
+                got = dequantize(view.data[b], view.p, view.scale[b], view.zero[b])
+                torch.testing.assert_close(got, want)
+                continue
+            ref = [None if t is None else t.clone() for t in (view.data, view.scale, view.zero)]
+            blk, off = torch.full((16,), b), torch.arange(16)
+            quantize_store_ref(x.transpose(0, 1), view.p, *ref, blk, off)
+            assert torch.equal(view.data[b].view(torch.uint8), ref[0][b].view(torch.uint8))
+            for got, want in zip((view.scale, view.zero), ref[1:]):
+                assert got is None or view.p.static or torch.equal(got[b], want[b])

@@ -223,11 +223,26 @@ class KVPools:
             t[:, dst] = t[:, src]
 
     def quantize_hot(self, hot_b: int, b: int) -> None:
-        """Quantize hot block hot_b, all layers of a group at once, into store block b."""
+        """Quantize hot block hot_b into store block b: its tokens through the store kernel, as
+        a step's new tokens go, a layer at a time; formats whose scales span the block
+        (block_wise) in torch, all layers of a group at once. In torch a format's scale search
+        (`:mse`) costs tens of ms a block, paid by a sequence whenever its window moves on."""
+        block_size = self.hot.shape[-2]
+        slots = (torch.full((block_size,), b, dtype=torch.long, device=self.hot.device),
+                 torch.arange(block_size, device=self.hot.device))  # blk, off of each token
         for g in self.groups:
             for i, pool in enumerate((g.k, g.v)):
-                x = self.hot[i, g.layers, hot_b]  # (L, H, BS, D)
-                self._quantize_block(pool, x, b)
+                if pool.p.block_wise:
+                    self._quantize_block(pool, self.hot[i, g.layers, hot_b], b)  # (L, H, BS, D)
+                    continue
+                # static scales can clip, and fp16/bf16 can overflow: counted, as in torch
+                count = pool.p.static or (pool.p.is_float and pool.p.dtype != "fp32")
+                for layer in g.layers:
+                    x = self.hot[i, layer, hot_b].transpose(0, 1)  # (BS, H, D): its tokens
+                    view = self.views[layer][i]  # made once: the kernels keep its arguments
+                    n_sat = self.store_fn(x, view.p, view.data, view.scale, view.zero, *slots)
+                    if count and (not isinstance(n_sat, int) or n_sat):
+                        self._saturated += n_sat
 
     def _quantize_block(self, pool: StorePool, x: torch.Tensor, b: int) -> None:
         """x (L, H, BS, D) into block b of pool."""
