@@ -30,7 +30,7 @@ import torch
 from ..spec import QuantParams
 from .cpu_args import PoolArrays, as_index, pool_arrays, readable
 from .cpu_direct import DirectLayers, PoolCalls, Resolved, layer_calls
-from .cpu_maps import head_map_cpu, head_map_rows  # noqa: F401 (a layer's transform)
+from .cpu_maps import head_map_cpu  # noqa: F401 (a layer's transform)
 from .cpu_numerics import AVAILABLE, REASON, njit, numba, use_threads
 from .cpu_plain import attention_kernel
 from .cpu_store import quantize_store_cpu, store_args, store_rows  # noqa: F401 (the store)

@@ -8,11 +8,12 @@ runs with cold caches, where it costs many times what it costs in a loop (bench 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import cache
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from .cpu_maps import head_map_rows
+from .cpu_maps import head_map_kernel
 from .cpu_numerics import use_threads
 from .cpu_store import compiled_store_pair, store_args
 from .layout import PoolLayer, empty_rows
@@ -68,8 +69,11 @@ class LayerCalls(NamedTuple):
     block_size: int
 
 
-# a layer's transform on a step's rows: its arguments but the rows are always the same types
-_HEAD_MAP = Resolved(head_map_rows, 0)
+@cache
+def _head_map(D: int) -> Resolved:
+    """A layer's transform on a step's rows of D channels: its arguments but the rows are
+    always the same types."""
+    return Resolved(head_map_kernel(D), 0)
 
 
 class PoolCalls(NamedTuple):
@@ -156,7 +160,8 @@ class DirectLayers:
             return x
         if x.dtype is not _FLOAT32 or x.shape != out.shape:
             x, = _checked(out.shape, x)
-        _HEAD_MAP.entries.get(x.flags.num & TYPED_FLAGS, _HEAD_MAP)(x, maps, bias, out)
+        call = _head_map(out.shape[2])
+        call.entries.get(x.flags.num & TYPED_FLAGS, call)(x, maps, bias, out)
         return out
 
     def store(self, layer: int, k: np.ndarray, v: np.ndarray) -> None:
