@@ -148,23 +148,25 @@ def test_caches_that_need_more_go_layer_by_layer(spec, one_thread, monkeypatch):
         assert torch.equal(g, w)
 
 
+@pytest.mark.parametrize("spec", ["int8", "int4:rot,residual=16,sink=4"])
 @pytest.mark.parametrize("threads_min_reads", [None, 0], ids=["default", "shared"])
 @pytest.mark.parametrize("shape", [(4, 2), (8, 1)], ids=["gqa", "mqa"])
 @pytest.mark.parametrize("seqs", [1, 2])
-def test_two_threads_take_the_direct_calls(threads_min_reads, shape, seqs, monkeypatch):
+def test_two_threads_take_the_direct_calls(spec, threads_min_reads, shape, seqs, monkeypatch):
     """With two threads the direct calls share each layer's products and attention among them
     as the per-layer path does: the same logits bit for bit. Shared (threads_min_reads 0): one
     sequence over one KV head has one work item, so each query's blocks split in two, merged
-    by log-sum-exp; GQA's two KV heads (and two sequences) share evenly, unsplit."""
+    by log-sum-exp; GQA's two KV heads (and two sequences) share evenly, unsplit. With hot
+    blocks, the store's and the window's attention each split as they would alone."""
     n_heads, n_kv_heads = shape
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         m = model(n_heads=n_heads, n_kv_heads=n_kv_heads)
-        want, _ = decode(m, "int8", run_layers, steps=3, seqs=seqs,
+        want, _ = decode(m, spec, run_layers, steps=3, seqs=seqs,
                          threads_min_reads=threads_min_reads)
         calls = counted(monkeypatch)
-        got, _ = decode(m, "int8", gemv_layer.select_kernels("cpu", REFERENCES)["layers"],
+        got, _ = decode(m, spec, gemv_layer.select_kernels("cpu", REFERENCES)["layers"],
                         steps=3, seqs=seqs, threads_min_reads=threads_min_reads)
     finally:
         torch.set_num_threads(before)
@@ -173,21 +175,23 @@ def test_two_threads_take_the_direct_calls(threads_min_reads, shape, seqs, monke
         assert torch.equal(g, w)
 
 
+@pytest.mark.parametrize("spec", ["int8", "int4:rot,residual=16,sink=4"])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_long_queries_split_in_shares_on_the_direct_path(threads, monkeypatch):
+def test_long_queries_split_in_shares_on_the_direct_path(spec, threads, monkeypatch):
     """Shares of a query's blocks (kernels.cpu.SHARE_BYTES, set here to 6 keys' codes so that
     every decode step splits) are merged on one thread as on two: the same logits as the layer
-    by layer path bit for bit, and within rounding of the unsplit steps."""
+    by layer path bit for bit, and within rounding of the unsplit steps. With hot blocks the
+    window's attention splits too, each pool's shares merged before the pools are."""
     from tinykv.kernels import cpu as kernels_cpu
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         m = model()
-        whole, _ = decode(m, "int8", run_layers, steps=3)
+        whole, _ = decode(m, spec, run_layers, steps=3)
         monkeypatch.setattr(kernels_cpu, "SHARE_BYTES", 6 * 2 * 2 * 32)  # 2 KV heads of 32
-        want, _ = decode(m, "int8", run_layers, steps=3)
+        want, _ = decode(m, spec, run_layers, steps=3)
         calls = counted(monkeypatch)
-        got, _ = decode(m, "int8", gemv_layer.select_kernels("cpu", REFERENCES)["layers"],
+        got, _ = decode(m, spec, gemv_layer.select_kernels("cpu", REFERENCES)["layers"],
                         steps=3)
     finally:
         torch.set_num_threads(before)
