@@ -223,20 +223,18 @@ class KVPools:
             t[:, dst] = t[:, src]
 
     def quantize_hot(self, hot_b: int, b: int) -> None:
-        """Quantize hot block hot_b into store block b: its tokens through the store kernel, as
-        a step's new tokens go, a layer at a time; formats whose scales span the block
-        (block_wise) in torch, all layers of a group at once. In torch a format's scale search
-        (`:mse`) costs tens of ms a block, paid by a sequence whenever its window moves on."""
+        """Quantize hot block hot_b into store block b: its tokens through the store kernel, a
+        layer at a time, as new tokens go (in torch `:mse`'s scale search cost tens of ms a
+        block); formats whose scales span the block (block_wise) in torch."""
         block_size = self.hot.shape[-2]
-        slots = (torch.full((block_size,), b, dtype=torch.long, device=self.hot.device),
-                 torch.arange(block_size, device=self.hot.device))  # blk, off of each token
+        slots = (torch.full((block_size,), b, device=self.hot.device),  # each token's blk, off
+                 torch.arange(block_size, device=self.hot.device))
         for g in self.groups:
             for i, pool in enumerate((g.k, g.v)):
                 if pool.p.block_wise:
                     self._quantize_block(pool, self.hot[i, g.layers, hot_b], b)  # (L, H, BS, D)
                     continue
-                # static scales can clip, and fp16/bf16 can overflow: counted, as in torch
-                count = pool.p.static or (pool.p.is_float and pool.p.dtype != "fp32")
+                count = pool.p.static or (pool.p.is_float and pool.p.dtype != "fp32")  # as torch
                 for layer in g.layers:
                     x = self.hot[i, layer, hot_b].transpose(0, 1)  # (BS, H, D): its tokens
                     view = self.views[layer][i]  # made once: the kernels keep its arguments
@@ -245,23 +243,13 @@ class KVPools:
                         self._saturated += n_sat
 
     def _quantize_block(self, pool: StorePool, x: torch.Tensor, b: int) -> None:
-        """x (L, H, BS, D) into block b of pool."""
-        p = pool.p
-        if p.static:
-            scale = pool.scale[:, 0]
-            zero = None if pool.zero is None else pool.zero[:, 0]
-        elif p.is_float:
-            scale = zero = None
-        else:
-            scale, zero = compute_scales(x, p)
-            pool.scale[:, b] = scale
-            if zero is not None:
-                pool.zero[:, b] = zero
-        # static scales can clip, and fp16/bf16 can overflow: count those (counting syncs)
-        count = p.static or (p.is_float and p.dtype != "fp32")
-        codes, n_sat = quantize(x, p, scale, zero, count=count)
-        pool.data[:, b] = codes
-        self._saturated += n_sat
+        """x (L, H, BS, D) into block b of a pool whose scales span the block (block_wise:
+        dynamic, neither static nor a plain cast, so nothing it stores is counted)."""
+        scale, zero = compute_scales(x, pool.p)
+        pool.scale[:, b] = scale
+        if zero is not None:
+            pool.zero[:, b] = zero
+        pool.data[:, b] = quantize(x, pool.p, scale, zero, count=False)[0]
 
 
 # ---- sizing: what a pool of a spec costs, and whether the machine holds it ---------------------

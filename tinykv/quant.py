@@ -55,11 +55,9 @@ def rotation_matrix(head_dim: int, seed: int) -> torch.Tensor:
 
 
 class HeadMap(NamedTuple):
-    """One affine map of a step's rows (N, J, D): row j becomes x_j @ maps[g] + bias[h], where
-    g = j // (J / G) and h = j // (J / Hb), so that heads of a group share a map or a bias (GQA:
-    a KV head's query heads). Empty tensors mean none: maps (G, D, D) or (0, D, D), bias
-    (Hb, D) or (0, D). head_map_ref applies it in torch; the CPU kernels in one compiled call
-    (kernels.cpu_maps)."""
+    """One affine map of rows (N, J, D): row j becomes x_j @ maps[j // (J / G)] + bias[j // (J /
+    Hb)], so a group of heads (GQA: a KV head's query heads) shares a map or a bias. maps (G, D,
+    D), bias (Hb, D); G or Hb 0: none. Applied by head_map_ref, or kernels.cpu_maps."""
     maps: torch.Tensor
     bias: torch.Tensor
 
@@ -105,11 +103,10 @@ class Transform:
     the S that makes the expected score error E[(q . err)^2] smallest, which moves it to the
     directions queries look along least.
 
-    Each of the four is applied as one affine map per head (`maps`, folded in float64 once):
-    keys k S R - mu_k S R, queries q S^-T R, values v R_v - mu_v R_v, the output o R_v^T + mu_v.
-    A decode step's rows are few, so the ops, not the arithmetic, cost the time: one product
-    and one add, where the steps one by one were up to seven torch ops. `apply` (HeadMap's
-    contract) is head_map_ref, or the cache's kernels' (kernels.Kernels.head_map)."""
+    Each of the four is one affine map per head (`maps`, folded in float64 once): keys k S R -
+    mu_k S R, queries q S^-T R, values v R_v - mu_v R_v, the output o R_v^T + mu_v; a decode
+    step's few rows pay per op, not per multiply-add. `apply`: head_map_ref, or the cache's
+    kernels' (kernels.Kernels.head_map)."""
 
     rk: torch.Tensor | None = None  # (D, D)
     rv: torch.Tensor | None = None  # (D, D)
@@ -137,32 +134,27 @@ class Transform:
     @cached_property
     def maps(self) -> TransformMaps:
         """The four maps, folded from the fields in float64 when first used."""
-        def f64(t):
-            return None if t is None else t.double()
-        rk, rv, mk, mv, sk, sq = map(f64, (self.rk, self.rv, self.mk, self.mv, self.sk, self.sq))
-        like = next(t for t in (self.rk, self.rv, self.mk, self.mv, self.sk, self.sq, _NONE)
-                    if t is not None)
+        fields = (self.rk, self.rv, self.mk, self.mv, self.sk, self.sq)
+        rk, rv, mk, mv, sk, sq = (None if t is None else t.double() for t in fields)
+        like = next((t for t in fields if t is not None), torch.zeros(1, 1))  # dtype, device
         D = like.shape[-1]
 
-        def head_map(maps, bias):
-            maps = torch.zeros(0, D, D, dtype=torch.float64) if maps is None else maps
-            bias = torch.zeros(0, D, dtype=torch.float64) if bias is None else bias
-            return HeadMap(maps.to(like.device, like.dtype).contiguous(),
-                           bias.to(like.device, like.dtype).contiguous())
+        def head_map(maps, bias):  # none as empty tensors
+            maps = torch.zeros(0, D, D) if maps is None else maps
+            bias = torch.zeros(0, D) if bias is None else bias
+            return HeadMap(maps.to(like).contiguous(), bias.to(like).contiguous())  # like's
 
         def then_rotate(m, r):  # m (H, D, D) or None, then r (D, D) or None
-            if r is None:
-                return m
-            return r[None] if m is None else m @ r
+            return m if r is None else r[None] if m is None else m @ r
 
         k_map = then_rotate(sk, rk)  # (H | 1, D, D)
         k_bias = None
         if mk is not None:  # -(mu_k S R), each head's
             k_bias = -mk if k_map is None else -(mk[:, None, :] @ k_map).squeeze(-2)
-        v_map = None if rv is None else rv[None]
         v_bias = None if mv is None else -(mv if rv is None else mv @ rv)
         return TransformMaps(queries=head_map(then_rotate(sq, rk), None),
-                             keys=head_map(k_map, k_bias), values=head_map(v_map, v_bias),
+                             keys=head_map(k_map, k_bias),
+                             values=head_map(then_rotate(None, rv), v_bias),
                              output=head_map(None if rv is None else rv.T[None], mv))
 
     @property
@@ -174,9 +166,6 @@ class Transform:
         moved = [None if t is None else t.to(device, dtype) for t in
                  (self.rk, self.rv, self.mk, self.mv, self.sk, self.sq)]
         return Transform(*moved)
-
-
-_NONE = torch.zeros(1, 1)  # an identity Transform's maps: empty, of any size
 
 
 def layer_transforms(spec: KVSpec, n_layers: int, head_dim: int,

@@ -29,7 +29,7 @@ import torch
 
 from ..spec import QuantParams
 from .cpu_args import PoolArrays, as_index, pool_arrays, readable
-from .cpu_direct import DirectLayers, PoolCalls, Resolved, layer_calls
+from .cpu_direct import DirectLayers, PoolCalls, Resolved, layer_calls, transform_arrays
 from .cpu_maps import head_map_cpu  # noqa: F401 (a layer's transform)
 from .cpu_numerics import AVAILABLE, REASON, njit, numba, use_threads
 from .cpu_plain import attention_kernel
@@ -155,8 +155,7 @@ class CpuKernels:
         numpy calls, the attention shared among threads as `attend` shares it; None where the
         step needs more than one kernel call a pool and layer (prefill chunks) or a pool is not
         read or written in place. Clipped values go to `count_saturated` (None: not counted),
-        as the pools count them; `transforms`: each layer's quant.Transform (their float32
-        maps converted once per cache), or None where no layer has one."""
+        as the pools count them; `transforms`: each layer's quant.Transform, or None."""
         parts = []
         for table, layers in pools:
             step = self._step(q_seq, q_pos, table, ctx_lens)
@@ -176,10 +175,9 @@ class CpuKernels:
         if sm_scale != self._scale[0]:
             self._scale = (sm_scale, np.float32(sm_scale))
         if transforms is not None and self._maps[0] is not transforms:
-            if any(m.maps.dtype != torch.float32 for t in transforms for m in t.maps):
-                return None
-            self._maps = (transforms, [None if t.identity else _as_arrays(t.maps)
-                                       for t in transforms])
+            self._maps = (transforms, transform_arrays(transforms))
+        if transforms is not None and self._maps[1] is None:  # maps the kernel does not take
+            return None
         return DirectLayers(parts, target, as_index(blk, np.int64), as_index(off, np.int64),
                             self._scale[1], count_saturated, Hq, D, _MERGE,
                             None if transforms is None else self._maps[1])
@@ -286,11 +284,6 @@ class CpuKernels:
             o[~chunk], lse[~chunk] = self.attend(q[~chunk], q_seq[~chunk], q_pos[~chunk], k, v,
                                                  table, ctx_lens, sm_scale, num_splits)
         return o, lse
-
-
-def _as_arrays(maps: tuple) -> tuple:
-    """quant.TransformMaps as the direct calls take them: each HeadMap as (maps, bias) numpy."""
-    return tuple((m.maps.numpy(), m.bias.numpy()) for m in maps)
 
 
 def _key_bytes(k: PoolLayer, v: PoolLayer) -> int:

@@ -12,6 +12,7 @@ from functools import cache
 from typing import Any, NamedTuple
 
 import numpy as np
+import torch
 
 from .cpu_maps import head_map_kernel
 from .cpu_numerics import use_threads
@@ -225,6 +226,15 @@ def layer_calls(layers: list[tuple[PoolLayer, PoolLayer]],
                                 Resolved(serial, 2), Resolved(parallel, 1), k_arrays,
                                 v_arrays, H, BS))
     return calls
+
+
+def transform_arrays(transforms: list) -> list | None:
+    """Each layer's quant.Transform as DirectLayers takes it (its maps: (maps, bias) numpy
+    arrays each; None where it has none); None if any is not float32, as the kernel is."""
+    if any(m.maps.dtype != torch.float32 for t in transforms for m in t.maps):
+        return None
+    return [None if t.identity else tuple((m.maps.numpy(), m.bias.numpy()) for m in t.maps)
+            for t in transforms]
 
 
 def _checked(shape: tuple, *rows: np.ndarray) -> tuple:

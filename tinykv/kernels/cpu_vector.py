@@ -93,11 +93,8 @@ def takes(kf: PoolFormat, vf: PoolFormat, R: int, D: int, BS: int, k_groups: int
         if fmt.code == HALF:
             return True
         return fmt.code == INTEGER and fmt.scale_code != BFLOAT and D // planes(fmt) % 16 == 0
-    def grouped_ok() -> bool:  # each group a whole number of stored elements
-        return grouped_keys(kf, k_groups) and D % k_groups == 0 \
-            and D // k_groups % planes(kf) == 0
-    key_ok = kf.code == HALF or grouped_ok() \
-        or (D % 32 == 0 and (kf.scales == SHARED_SCALES or k_groups == 1))
+    key_ok = kf.code == HALF or (D % 32 == 0 and (kf.scales == SHARED_SCALES or k_groups == 1)) \
+        or (grouped_keys(kf, k_groups) and D % (k_groups * planes(kf)) == 0)  # whole elements
     return stored(kf) and stored(vf) and key_ok and D % 16 == 0 and BS % TILE == 0 \
         and R * D <= 512
 
