@@ -95,8 +95,8 @@ class DirectLayers:
 
     A step may attend two pools, the store and its hot blocks (a residual window, sinks), each
     over its own block table, merged by log-sum-exp as cache.attend merges them; and a layer
-    may transform what enters the cache and what leaves it (quant.Transform: the same torch
-    maps as Plan.attend, by the same compiled call, so the same numbers)."""
+    may transform what enters the cache and what leaves it (quant.Transform's maps, applied by
+    the compiled call Plan.attend's go through too, so the numbers are the same)."""
 
     def __init__(self, pools: list[PoolCalls], target: int, blk: np.ndarray, off: np.ndarray,
                  sm_scale: np.float32, count_saturated: Callable[[int], None] | None, Hq: int,
@@ -104,8 +104,7 @@ class DirectLayers:
         """pools: in the order their partials merge; target: the pool the new tokens go to, at
         blk, off (N,); count_saturated: where clipped values are counted (None: not counted, as
         for hot blocks, a cast); merge: cpu._merge_splits, which folds partials into the first;
-        transforms: each layer's quant.TransformMaps as numpy arrays (queries, keys, values,
-        output: each (maps, bias)), or None where it has none."""
+        transforms: each layer's maps as transform_arrays makes them, or None."""
         self.count_saturated = count_saturated
         self.transforms = transforms or [None] * len(pools[0].layers)
         N = pools[0].step.n_queries
@@ -154,7 +153,7 @@ class DirectLayers:
 
     @staticmethod
     def turn(x: np.ndarray, m: tuple, out: np.ndarray) -> np.ndarray:
-        """x through one map of a layer's transform (cpu_maps.head_map_rows) into out; x
+        """x through one map of a layer's transform (cpu_maps.head_map_kernel) into out; x
         itself where the map is none, as quant.Transform leaves it."""
         maps, bias = m
         if maps.shape[0] == 0 and bias.shape[0] == 0:
