@@ -16,8 +16,10 @@ def generate(m, spec, prompts, num_blocks, attention="auto", **offload_kw):
     """Greedy tokens of each prompt, the logits of every sample (grouped by request, in order),
     and the cache (with the engine's preemption count)."""
     offload = OffloadConfig(**offload_kw) if offload_kw else None
+    weight = next(m.parameters())
     cache = make_cache(m.cfg, KVSpec.parse(spec), blocks=num_blocks, block_size=8,
-                       max_seqs=len(prompts), attention=attention, offload=offload)
+                       max_seqs=len(prompts), attention=attention, offload=offload,
+                       device=weight.device, dtype=weight.dtype)
     # the same prefill chunks for every pool size
     eng = Engine(m, cache, max_batch=len(prompts), prefill_chunk=24)
     s = Sampling(temperature=0, max_new_tokens=10)
@@ -144,10 +146,10 @@ def test_lse_merge_equals_single_pass():
 
 
 def test_staged_chunks_with_lse_merge_triton():
-    """The GPU path: offloaded blocks staged in fixed-size chunks, merged by log-sum-exp
-    (interpreter here)."""
+    """The GPU path: offloaded blocks staged in fixed-size chunks, merged by log-sum-exp (on a
+    CUDA device where there is one, else through Triton's interpreter)."""
     pytest.importorskip("triton")
-    m = tiny()
+    m = tiny().to("cuda" if torch.cuda.is_available() else "cpu")
     g = torch.Generator().manual_seed(12)
     prompts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (40, 20)]
     want_ids, want_logits, _ = generate(m, "int8", prompts, num_blocks=64, attention="triton")

@@ -7,7 +7,7 @@ rows (prefill chunks) go through torch's flash attention. Here every block is de
 
 import pytest
 import torch
-from pools import ATTN_CASES, make_batch, make_pool
+from pools import ATTN_CASES, DEV, make_batch, make_pool
 
 from tinykv.kernels import PoolLayer
 from tinykv.kernels.reference import paged_attention_ref
@@ -27,7 +27,9 @@ def dense(pool: PoolLayer) -> torch.Tensor:
 
 
 def attention_f64(q, q_seq, q_pos, k, v, table, ctx, sm):
-    """paged_attention_ref's arguments -> (o, lse) in float64, one query and head at a time."""
+    """paged_attention_ref's arguments -> (o, lse) in float64 on the CPU, one query and head at a
+    time."""
+    q, q_seq, q_pos, table, ctx = (t.cpu() for t in (q, q_seq, q_pos, table, ctx))
     K, V = dense(k), dense(v)
     BS, n_rep = K.shape[2], q.shape[1] // K.shape[1]
     o = torch.zeros(q.shape, dtype=torch.float64)
@@ -56,13 +58,18 @@ def test_reference_matches_float64(kspec, vspec, n_rep, D, BS):
     decode = torch.tensor([0, 1, 5, 6])
     rows = [0, 1, 3, 4]
     cases = [(q, q_seq, q_pos, table, ctx),  # mixed: decoding rows beside a 3-query chunk
-             (q[decode], torch.arange(4), q_pos[decode], table[rows], ctx[rows])]
+             (q[decode], torch.arange(4, device=DEV), q_pos[decode], table[rows], ctx[rows])]
     for args in cases:
         o, lse = paged_attention_ref(*args[:3], k, v, *args[3:], D**-0.5)
         o_ref, lse_ref = attention_f64(*args[:3], k, v, *args[3:], D**-0.5)
         assert o.dtype == torch.float32 and torch.isneginf(lse[-1]).all()
-        torch.testing.assert_close(o.double(), o_ref, atol=2e-5, rtol=2e-5)
-        torch.testing.assert_close(lse.double(), lse_ref, atol=2e-5, rtol=2e-5)
+        assert_close_f64(o, lse, o_ref, lse_ref)
+
+
+def assert_close_f64(o, lse, o_ref, lse_ref):
+    """The reference's outputs (on the pools' device) against attention_f64's."""
+    torch.testing.assert_close(o.double().cpu(), o_ref, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(lse.double().cpu(), lse_ref, atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.parametrize("spec", ["fp16", "int8", "int4:asym", "fp8", "int2"])
@@ -72,14 +79,13 @@ def test_reference_long_runs_of_blocks(spec):
     BS, D = 16, 64
     k, v = make_pool(spec, 2, BS, D, gen), make_pool(spec, 2, BS, D, gen)
     for ids in (range(3, 23), range(20, 0, -1)):
-        table = torch.tensor([list(ids)], dtype=torch.int32)
-        ctx = torch.tensor([20 * BS - 3], dtype=torch.int32)
-        q = torch.randn(1, 6, D, generator=gen)
-        q_seq, q_pos = torch.zeros(1, dtype=torch.long), ctx - 1
+        table = torch.tensor([list(ids)], dtype=torch.int32, device=DEV)
+        ctx = torch.tensor([20 * BS - 3], dtype=torch.int32, device=DEV)
+        q = torch.randn(1, 6, D, generator=gen).to(DEV)
+        q_seq, q_pos = torch.zeros(1, dtype=torch.long, device=DEV), ctx - 1
         o, lse = paged_attention_ref(q, q_seq, q_pos, k, v, table, ctx, D**-0.5)
         o_ref, lse_ref = attention_f64(q, q_seq, q_pos, k, v, table, ctx, D**-0.5)
-        torch.testing.assert_close(o.double(), o_ref, atol=2e-5, rtol=2e-5)
-        torch.testing.assert_close(lse.double(), lse_ref, atol=2e-5, rtol=2e-5)
+        assert_close_f64(o, lse, o_ref, lse_ref)
 
 
 def test_reference_chunk_that_sees_no_key_here():
@@ -88,11 +94,12 @@ def test_reference_chunk_that_sees_no_key_here():
     gen = torch.Generator().manual_seed(9)
     BS, D = 16, 64
     k, v = make_pool("int8", 2, BS, D, gen), make_pool("fp16", 2, BS, D, gen)
-    table, ctx = torch.tensor([[-1, 4]], dtype=torch.int32), torch.tensor([20], dtype=torch.int32)
-    q, q_seq = torch.randn(4, 4, D, generator=gen), torch.zeros(4, dtype=torch.long)
-    q_pos = torch.tensor([0, 1, 16, 19])
+    table = torch.tensor([[-1, 4]], dtype=torch.int32, device=DEV)
+    ctx = torch.tensor([20], dtype=torch.int32, device=DEV)
+    q = torch.randn(4, 4, D, generator=gen).to(DEV)
+    q_seq = torch.zeros(4, dtype=torch.long, device=DEV)
+    q_pos = torch.tensor([0, 1, 16, 19], device=DEV)
     o, lse = paged_attention_ref(q, q_seq, q_pos, k, v, table, ctx, D**-0.5)
     o_ref, lse_ref = attention_f64(q, q_seq, q_pos, k, v, table, ctx, D**-0.5)
     assert torch.isneginf(lse[:2]).all() and (o[:2] == 0).all() and lse[2:].isfinite().all()
-    torch.testing.assert_close(o.double(), o_ref, atol=2e-5, rtol=2e-5)
-    torch.testing.assert_close(lse.double(), lse_ref, atol=2e-5, rtol=2e-5)
+    assert_close_f64(o, lse, o_ref, lse_ref)

@@ -1,6 +1,5 @@
 """KV-cache quantization for tinykv: scales, quantize and dequantize, int4/int2 packing, fp8
-(e4m3) and the `:rot` / `:center` / `:smooth` transforms, all in this file (the spec string is
-spec.py).
+(e4m3) and the `:rot` / `:center` / `:smooth` transforms (the spec string is spec.py).
 
 Every tensor is shaped (..., H, T, D): heads, tokens, channels last. Scales and zero points
 are shaped (..., H|1, T|1, G) where channel c belongs to group c // (D // G), so one formula
@@ -237,21 +236,22 @@ def compute_scales(x: torch.Tensor, p: QuantParams, scale_dtype: torch.dtype = t
         return None, None
     xg = x.float().unflatten(-1, (p.ngroups(x.shape[-1]), -1))  # (..., H, T, G, D // G)
     dims, fin = _REDUCE[p.gran], xg.isfinite()
+    room = zero_room(p, scale_dtype)
+    # Tensor divisors: CUDA torch multiplies by a Python number's reciprocal (a bit off at times).
+    qmax, room_t, far = (xg.new_full((), d) for d in (p.qmax, room, p.qmax + room))
     if p.sym:
         amax = xg.abs().where(fin, 0.0).amax(dims, keepdim=True).squeeze(-1)
         if p.mse:
             return _least_error_scales(xg, fin, amax, p, scale_dtype), None
-        return cast_up(amax / p.qmax, scale_dtype), None
+        return cast_up(amax / qmax, scale_dtype), None
     mn = xg.where(fin, float("inf")).amin(dims, keepdim=True).squeeze(-1)
     mx = xg.where(fin, float("-inf")).amax(dims, keepdim=True).squeeze(-1)
     empty = mn > mx  # no finite value in the group
     mn, mx = mn.masked_fill(empty, 0.0), mx.masked_fill(empty, 0.0)
     # Divide before subtracting so huge ranges cannot overflow.
-    qmax = p.qmax
-    room = zero_room(p, scale_dtype)
-    s = torch.maximum(mx / qmax - mn / qmax, torch.maximum(mn / room, -mn / (qmax + room)))
+    s = torch.maximum(mx / qmax - mn / qmax, torch.maximum(mn / room_t, -mn / far))
     scale = cast_up(s, scale_dtype)
-    zero = (-mn / scale.float()).round().clamp(-room, qmax + room)
+    zero = (-mn / scale.float()).round().clamp(-room, p.qmax + room)
     return scale, zero.to(scale_dtype)
 
 
@@ -263,8 +263,9 @@ def _least_error_scales(xg: torch.Tensor, fin: torch.Tensor, amax: torch.Tensor,
     lo, hi = p.qmin + p.offset, p.qmax + p.offset
     x = xg.where(fin, 0.0)  # (..., G, D // G) non-finite values take no part in the error
     best, least = None, None
-    for clip in MSE_CLIPS:
-        scale = cast_up(amax * torch.tensor(clip) / p.qmax, scale_dtype)  # (..., G)
+    clip_t, qmax = amax.new_tensor(MSE_CLIPS), amax.new_full((), p.qmax)  # exact: compute_scales
+    for i in range(len(MSE_CLIPS)):
+        scale = cast_up(amax * clip_t[i] / qmax, scale_dtype)  # (..., G)
         s = scale.float().unsqueeze(-1)  # (..., G, 1)
         codes = (x / s + p.offset).round().clamp(lo, hi)  # as quantize stores them
         lost = (((codes - p.offset) * s).double() - x.double()).where(fin, 0.0)  # (..., G, D//G)
@@ -321,9 +322,7 @@ def quantize(x: torch.Tensor, p: QuantParams, scale: torch.Tensor | None,
             q = codes.to(torch.int8)
         else:
             q = pack(codes.to(torch.uint8), p.per_byte)
-    if not count:
-        return q, 0
-    return q, int((sat | nan).sum())
+    return q, int((sat | nan).sum()) if count else 0
 
 
 def dequantize(stored: torch.Tensor, p: QuantParams, scale: torch.Tensor | None,
