@@ -24,8 +24,10 @@ PROMPT = "The history of the Roman Empire begins with"
 
 @pytest.fixture(scope="module")
 def model(smollm2_dir):
+    # float32 on a GPU too (its default is bfloat16): in bfloat16 the torch path alone moves int4's
+    # logits by up to ~8 against float32, noise that would hide a kernel's error.
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    return Transformer.from_pretrained(smollm2_dir, device=device)
+    return Transformer.from_pretrained(smollm2_dir, device=device, dtype=torch.float32)
 
 
 @pytest.fixture(scope="module")
