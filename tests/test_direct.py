@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tinykv import gemv, gemv_layer
-from tinykv.cache import make_cache
+from tinykv.cache import PagedKVCache, make_cache
 from tinykv.kernels import cpu_direct
 from tinykv.model import REFERENCES, Config, Transformer, run_layers
 from tinykv.spec import KVSpec
@@ -16,13 +16,15 @@ pytestmark = pytest.mark.skipif(not gemv.AVAILABLE, reason="numba is not install
 
 # stored in place by the direct calls (per-token scales or none; K and V apart; the plain kernel
 # for fp8 and int2:g16, the vector kernel for the rest); hot blocks (a residual window, sinks,
-# at the model's dtype or fp16) attended beside the store and merged; rotations
+# at the model's dtype or fp16) attended beside the store and merged; rotations; a store whose
+# scales are made when a block fills (channel keys, block-wise fp8), read only: new tokens wait
+# in hot blocks
 DIRECT = ["fp16", "int8", "int4", "k=int4:g32:asym,v=int2:g16", "fp8:token", "k=int8,v=fp16",
           "k=int2:mse,v=int4:g16:mse", "int4,residual=8,sink=4", "int4:rot",
-          "k=int2:g32:rot,v=int4:rot,residual=16,sink=4,hot=fp16", "k=int4:rot,v=int8"]
-# each needs more than a store and an attention call a layer: scales made when a block fills
-# (channel keys, block-wise fp8), eviction's scores
-LAYER_BY_LAYER = ["k=int4:channel:asym,v=int4:g32:asym,residual=16", "fp8", "int8,evict=h2o:96"]
+          "k=int2:g32:rot,v=int4:rot,residual=16,sink=4,hot=fp16", "k=int4:rot,v=int8",
+          "k=int4:channel:asym,v=int4:g32:asym,residual=16", "fp8"]
+# needs more than a store and an attention call a layer: eviction's scores
+LAYER_BY_LAYER = ["int8,evict=h2o:96"]
 
 
 def model(seed: int = 0, n_heads: int = 4, n_kv_heads: int = 2, head_dim: int = 32,
@@ -93,6 +95,22 @@ def test_direct_layers_give_the_layer_by_layer_logits(spec, one_thread, monkeypa
     got, clipped = decode(m, spec, gemv_layer.select_kernels("cpu", REFERENCES)["layers"])
     assert calls == [0, 1] * 6  # every decode step, not the prompts' chunks
     assert clipped == want_clipped == 0  # dynamic scales clip nothing that counts (mse's clips)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+
+
+@pytest.mark.parametrize("spec", ["k=int4:channel:asym,v=int4:g32:asym,residual=16", "fp8"])
+def test_direct_reads_blocks_filled_meanwhile(spec, one_thread, monkeypatch):
+    """Blocks whose scales are made when they fill (channel keys, block-wise fp8) leave the hot
+    blocks for the store between direct steps; the next steps read them there."""
+    m = model()
+    want, _ = decode(m, spec, run_layers, steps=24)
+    moved, real = [], PagedKVCache.quantize_hot
+    monkeypatch.setattr(PagedKVCache, "quantize_hot",
+                        lambda self, *blocks: moved.append(blocks) or real(self, *blocks))
+    calls = counted(monkeypatch)
+    got, _ = decode(m, spec, gemv_layer.select_kernels("cpu", REFERENCES)["layers"], steps=24)
+    assert calls == [0, 1] * 24 and len(moved) >= 2
     for g, w in zip(got, want):
         assert torch.equal(g, w)
 

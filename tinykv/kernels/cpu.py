@@ -151,20 +151,20 @@ class CpuKernels:
                count_saturated: Callable[[int], None] | None,
                transforms: list | None = None) -> DirectLayers | None:
         """A step's `store` (every token at blk, off of pool `target`) and `attend` over each
-        pool (its block table, each layer's pools K, V; partials merged in this order), as
-        numpy calls, the attention shared among threads as `attend` shares it; None where the
-        step needs more than one kernel call a pool and layer (prefill chunks) or a pool is not
-        read or written in place. Clipped values go to `count_saturated` (None: not counted),
-        as the pools count them; `transforms`: each layer's quant.Transform, or None."""
+        pool (its block table, each layer's pools K, V; partials merged in this order), as numpy
+        calls, shared among threads as `attend` shares it; None for prefill chunks (more than one
+        call a pool and layer) or a pool not read, or (the target) written, in place. Clipped
+        values go to `count_saturated` (None: not counted); `transforms`: each layer's maps."""
         parts = []
-        for table, layers in pools:
+        for at, (table, layers) in enumerate(pools):
             step = self._step(q_seq, q_pos, table, ctx_lens)
             if step.chunked or q_seq.dim() != 1:
                 return None
-            known = self._layers.get(id(layers))
+            written = at == target  # its store is called too
+            known = self._layers.get((id(layers), written))
             if known is None or known[0] is not layers or known[1] != (Hq, D):
-                known = (layers, (Hq, D), layer_calls(layers, lambda k, v: self._call(k, v, Hq, D)))
-                self._layers[id(layers)] = known
+                made = layer_calls(layers, lambda k, v: self._call(k, v, Hq, D), written)
+                known = self._layers[id(layers), written] = (layers, (Hq, D), made)
             calls = known[2]
             if calls is None:
                 return None

@@ -59,7 +59,7 @@ class Resolved:
 
 class LayerCalls(NamedTuple):
     """One layer's store and attention as DirectLayers calls them, converted once per cache."""
-    store: Resolved  # cpu_store.compiled_store_pair: K and V in one call (the rows at 0 and 1)
+    store: Resolved | None  # cpu_store.compiled_store_pair: K and V in one call (rows at 0, 1)
     store_args: tuple  # its arguments after blk and off: each pool's (format, arrays, limits,
     # dynamic, clips), K's then V's, and the block size (cpu_store.StoreArgs)
     attend: Resolved  # the serial attention kernel of this pair of formats (q at 2)
@@ -203,27 +203,28 @@ class DirectLayers:
 
 
 def layer_calls(layers: list[tuple[PoolLayer, PoolLayer]],
-                attention: Callable[[PoolLayer, PoolLayer], tuple | None]
+                attention: Callable[[PoolLayer, PoolLayer], tuple | None], written: bool
                 ) -> list[LayerCalls] | None:
     """Every layer's calls, its pools (K, V) given; `attention`: CpuKernels._call for a pair of
-    pools. None if a pool's store or attention is not done in place."""
+    pools; the store's too where the step writes the pool. None if a pool's store or attention is
+    not done in place: a written pool's block-wise scales are made when a block fills."""
     calls = []
     for k, v in layers:
-        if k.p.block_wise or v.p.block_wise:  # their scales are made when a block fills
-            return None
         call = attention(k, v)
-        if call is None:
+        if call is None or written and (k.p.block_wise or v.p.block_wise):
             return None
         serial, parallel, k_arrays, v_arrays, H, BS = call
-        k_store, v_store = (store_args(pool.p, pool.data, pool.scale, pool.zero)
-                            for pool in (k, v))
-        assert k_store.block_size == v_store.block_size == BS, "K and V share the block table"
-        pair_args = (k_store.fmt, k_store.arrays, k_store.limits, k_store.dynamic, k_store.clips,
-                     v_store.fmt, v_store.arrays, v_store.limits, v_store.dynamic, v_store.clips,
-                     BS)
-        calls.append(LayerCalls(Resolved(compiled_store_pair, 0, 1), pair_args,
-                                Resolved(serial, 2), Resolved(parallel, 1), k_arrays,
-                                v_arrays, H, BS))
+        store, pair_args = None, ()  # a pool only read: its blocks filled in the hot pool
+        if written:
+            k_store, v_store = (store_args(pool.p, pool.data, pool.scale, pool.zero)
+                                for pool in (k, v))
+            assert k_store.block_size == v_store.block_size == BS, "K and V share the table"
+            store = Resolved(compiled_store_pair, 0, 1)
+            pair_args = (k_store.fmt, k_store.arrays, k_store.limits, k_store.dynamic,
+                         k_store.clips, v_store.fmt, v_store.arrays, v_store.limits,
+                         v_store.dynamic, v_store.clips, BS)
+        calls.append(LayerCalls(store, pair_args, Resolved(serial, 2), Resolved(parallel, 1),
+                                k_arrays, v_arrays, H, BS))
     return calls
 
 
