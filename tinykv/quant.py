@@ -238,7 +238,7 @@ def compute_scales(x: torch.Tensor, p: QuantParams, scale_dtype: torch.dtype = t
     dims, fin = _REDUCE[p.gran], xg.isfinite()
     room = zero_room(p, scale_dtype)
     # Tensor divisors: CUDA torch multiplies by a Python number's reciprocal (a bit off at times).
-    qmax, room_t, far = (xg.new_full((), d) for d in (p.qmax, room, p.qmax + room))
+    qmax, room_t, qmax_room_t = (xg.new_full((), d) for d in (p.qmax, room, p.qmax + room))
     if p.sym:
         amax = xg.abs().where(fin, 0.0).amax(dims, keepdim=True).squeeze(-1)
         if p.mse:
@@ -249,7 +249,7 @@ def compute_scales(x: torch.Tensor, p: QuantParams, scale_dtype: torch.dtype = t
     empty = mn > mx  # no finite value in the group
     mn, mx = mn.masked_fill(empty, 0.0), mx.masked_fill(empty, 0.0)
     # Divide before subtracting so huge ranges cannot overflow.
-    s = torch.maximum(mx / qmax - mn / qmax, torch.maximum(mn / room_t, -mn / far))
+    s = torch.maximum(mx / qmax - mn / qmax, torch.maximum(mn / room_t, -mn / qmax_room_t))
     scale = cast_up(s, scale_dtype)
     zero = (-mn / scale.float()).round().clamp(-room, p.qmax + room)
     return scale, zero.to(scale_dtype)
