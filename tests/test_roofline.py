@@ -221,3 +221,18 @@ def test_decode_steps_taken_in_turn():
     assert calls == ["fp16", "int8"] * 4  # one untimed round, then 3 timed
     assert [len(got[n][0]) for n in ("fp16", "int8")] == [3, 3]
     assert got["fp16"][1] == 2.0 and got["int8"][1] == 1.0
+
+
+def test_kernel_bench_pools_of_one_block():
+    """A shape of one block a sequence (bench kernel --cpu --shapes 1x16): its pools' scales have
+    one block's row, which the touch reads as that block's, not as a layer's one set; the pools
+    are sized by what they hold, so making them ends."""
+    from tinykv.bench import attention
+    from tinykv.spec import KVSpec
+
+    layers = attention._layers(KVSpec.parse("int4"), 1, 16, budget=1)
+    assert len(layers) == 1
+    codes, scales = 3 * 16 * 32, 3 * 16 * 2  # (H, BS, D / 2) bytes, (H, BS, 1) fp16 scales
+    assert layers[0].nbytes == codes * 2 + scales * 2
+    got = attention.measure_shape(["int4"], 1, 16, reps=1, budget=1)
+    assert got["int4"]["attend_s"] > 0 and got["int4"]["touch_s"] > 0

@@ -132,9 +132,9 @@ def make_pool(p: QuantParams, n_blocks: int, gen: torch.Generator) -> PoolLayer:
     return PoolLayer(quantize(x, p, scale, zero, count=False)[0], scale, zero, p)
 
 
-def _block_words(t: torch.Tensor | None) -> np.ndarray:
+def _block_words(t: torch.Tensor | None, n_blocks: int) -> np.ndarray:
     """A pool tensor as (blocks, 64-bit words): what the touch reads of each block."""
-    if t is None or t.shape[0] == 1:  # absent, or one set for the layer: nothing per block
+    if t is None or t.shape[0] != n_blocks:  # absent, or one set for the layer: none per block
         return np.zeros((1, 0), np.uint64)
     flat = t.contiguous().view(torch.uint8).reshape(t.shape[0], -1)
     pad = -flat.shape[1] % 8
@@ -167,8 +167,8 @@ class Layer:
         self.v = make_pool(spec.v, batch * per_row, gen)
         order = torch.randperm(batch * per_row, generator=gen)
         self.table = order.view(batch, per_row).int()  # (B, MB): blocks in shuffled order
-        self.words = [_block_words(t) for t in (self.k.data, self.v.data, self.k.scale,
-                                                self.k.zero, self.v.scale, self.v.zero)]
+        self.words = [_block_words(t, batch * per_row) for t in (
+            self.k.data, self.v.data, self.k.scale, self.k.zero, self.v.scale, self.v.zero)]
         self.nbytes = sum(w.nbytes for w in self.words)
 
     def touch(self, ctx_lens: np.ndarray) -> None:
@@ -189,8 +189,8 @@ def _layers(spec: KVSpec, batch: int, context: int, budget: int) -> list[Layer]:
                             first.v.p)
         layer.table = torch.randperm(first.table.numel(), generator=gen).view_as(first.table)
         layer.table = layer.table.int()
-        layer.words = [_block_words(t) for t in (layer.k.data, layer.v.data, layer.k.scale,
-                                                 layer.k.zero, layer.v.scale, layer.v.zero)]
+        layer.words = [_block_words(t, first.table.numel()) for t in (
+            layer.k.data, layer.v.data, layer.k.scale, layer.k.zero, layer.v.scale, layer.v.zero)]
         layer.nbytes = first.nbytes
         out.append(layer)
     return out
