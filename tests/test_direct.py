@@ -20,7 +20,8 @@ pytestmark = pytest.mark.skipif(not gemv.AVAILABLE, reason="numba is not install
 # scales are made when a block fills (channel keys, block-wise fp8), read only: new tokens wait
 # in hot blocks
 DIRECT = ["fp16", "int8", "int4", "k=int4:g32:asym,v=int2:g16", "fp8:token", "k=int8,v=fp16",
-          "k=int2:mse,v=int4:g16:mse", "int4,residual=8,sink=4", "int4:rot",
+          "k=int2:mse,v=int4:g16:mse", "k=int2:g32:fit:rot,v=int2:fit", "int4,residual=8,sink=4",
+          "int4:rot",
           "k=int2:g32:rot,v=int4:rot,residual=16,sink=4,hot=fp16", "k=int4:rot,v=int8",
           "k=int4:channel:asym,v=int4:g32:asym,residual=16", "fp8"]
 # needs more than a store and an attention call a layer: eviction's scores

@@ -373,6 +373,7 @@ STORE_CASES = [
     ("int8:head:static", 64), ("int4:channel:static:asym", 80), ("int2:tensor:static", 128),
     ("fp8:tensor:static", 64), ("int8:channel:static", 80), ("int4:head:static:asym", 64),
     ("int2:mse", 64), ("int2:g32:mse", 128), ("int4:g16:mse", 80), ("int8:mse", 64),
+    ("int2:fit", 64), ("int2:g32:fit", 128), ("int4:g16:fit", 80), ("int8:fit", 64),
 ]
 
 

@@ -301,7 +301,7 @@ def parts(draw):
     calibratable = gran in ("tensor", "head", "channel") or (gran == "" and dtype == "fp8")
     static = draw(st.sampled_from(["", "static", "dynamic"] if calibratable else ["", "dynamic"]))
     clips = dtype.startswith("int") and sym != "asym" and gran in ("", "token", "g8", "g32", "g128")
-    mse = "mse" if clips and draw(st.booleans()) else ""
+    mse = draw(st.sampled_from(["", "mse", "fit"])) if clips else ""
     opts = [o for o in (gran, sym, static, mse) if o] + transforms
     return ":".join([dtype, *draw(st.permutations(opts))])
 
@@ -356,6 +356,8 @@ def test_spec_fuzz_only_raises_spec_error(text):
     ("fp16:center:head", "fp16:center:head"),
     ("int2:asym:mse", "mse takes sym"), ("int4:channel:mse", "mse takes sym"),
     ("fp8:mse", "mse takes sym"), ("int2:mse:mse", "mse given twice"),
+    ("int2:asym:fit", "fit takes sym"), ("int8:head:fit", "fit takes sym"),
+    ("int2:fit:fit", "fit given twice"), ("int2:mse:fit", "mse and fit each choose the scale"),
     ("int8,hot=fp8", "hot= takes fp32|fp16|bf16"), ("int8,hot=fp16,hot=bf16", "hot given twice"),
 ])
 def test_malformed_specs(spec, bad):
@@ -402,6 +404,43 @@ def test_mse_scale_is_the_clip_that_loses_least(spec):
     assert quantize(x, p, scale, None)[1] == 0
     if p.dtype == "int2":  # rotated-like groups: ~60% of the absmax is the best 2-bit clip
         assert lost(scale).sum() < 0.7 * each[0].sum()
+
+
+@pytest.mark.parametrize("spec", ["int2:fit", "int2:g32:fit", "int4:g16:fit", "int8:fit"])
+def test_fit_scale_keeps_each_group_on_itself(spec):
+    """A fit group's scale is its mse scale s0 fitted (float64, here): s = sum(x^2) / sum(x * c),
+    c the steps at s0, rounded up to fp16 (within one fp16 step of s); where c is all zero the
+    scale stays s0. At 2 bits the mse round trip of these skewed groups keeps ~70% of a group's
+    inner product with itself; stored at s (its steps taken again at s) it loses under half of
+    what mse loses."""
+    p, mse = QuantParams.parse(spec), QuantParams.parse(spec.replace("fit", "mse"))
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(2, 40, 64, generator=gen) * torch.logspace(-1, 1, 64)[torch.randperm(64,
+                                                                            generator=gen)]
+    x[0, 0, 3] = 30.0  # an outlier
+    x[1, 2] = 0.0  # an all-zero group: no step, the mse scale kept
+    G = p.ngroups(64)
+    grouped = x.double().unflatten(-1, (G, -1))  # (2, 40, G, 64 // G)
+    s0, _ = compute_scales(x, mse)
+    steps = dequantize(quantize(x, mse, s0, None)[0], mse, torch.ones_like(s0), None)
+    along = (grouped * steps.double().unflatten(-1, (G, -1))).sum(-1)  # (2, 40, G)
+    want = grouped.square().sum(-1) / along
+    scale, zero = compute_scales(x, p)
+    assert zero is None and quantize(x, p, scale, None)[1] == 0
+    assert torch.equal(scale[1, 2], s0[1, 2])
+    nonzero = along > 0
+    fitted = scale.double()[nonzero]
+    assert (fitted >= want[nonzero]).all()  # rounded up, never down
+    assert torch.equal(scale[nonzero], cast_up(want[nonzero].float(), torch.float16))
+
+    def kept(s, fmt):  # (2, 40, G) sum(x * stored x) / sum(x^2)
+        y = dequantize(quantize(x, fmt, s, None)[0], fmt, s, None).double()
+        return (grouped * y.unflatten(-1, (G, -1))).sum(-1)[nonzero] / (
+            grouped.square().sum(-1)[nonzero])
+
+    if p.dtype == "int2":
+        assert kept(s0, mse).mean() < 0.95  # the least-error clip shrinks
+        assert (kept(scale, p) - 1).abs().mean() < 0.5 * (1 - kept(s0, mse)).abs().mean()
 
 
 def test_transform_maps_fold_its_steps():

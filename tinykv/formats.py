@@ -2,8 +2,8 @@
 parse, canonical str and the quantities every other module derives from it (bits, codes per
 byte, qmax, offset, scale shapes). The grammar is in DESIGN.md and the README.
 
-PART := DTYPE [":" GRAN] [":" sym|asym] [":" static|dynamic] [":mse"] [":rot"] [":center"]
-        [":smooth"]
+PART := DTYPE [":" GRAN] [":" sym|asym] [":" static|dynamic] [":mse"|":fit"] [":rot"]
+        [":center"] [":smooth"]
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def _default_gran(dtype: str) -> str:
 
 
 def _problem(dtype: str, gran: str, group: int, sym: bool, static: bool,
-             mse: bool = False) -> str | None:
+             mse: bool = False, fit: bool = False) -> str | None:
     """Why these fields are no valid format, or None; shared by parse and the constructor."""
     if dtype not in DTYPES:
         return f"unknown dtype {dtype!r} (expected one of {', '.join(DTYPES)})"
@@ -50,8 +50,12 @@ def _problem(dtype: str, gran: str, group: int, sym: bool, static: bool,
         return "fp8 supports sym only"
     if static and gran in ("token", "group"):
         return f"static needs tensor/head/channel scales (per-{gran} scales cannot be calibrated)"
-    if mse and (dtype not in ("int8", "int4", "int2") or not sym or gran not in ("token", "group")):
-        return "mse takes sym int8/int4/int2 with per-token or per-group (gN) scales"
+    if mse and fit:
+        return "mse and fit each choose the scale: give one"
+    searched = "mse" if mse else "fit" if fit else None
+    if searched and (dtype not in ("int8", "int4", "int2") or not sym
+                     or gran not in ("token", "group")):
+        return f"{searched} takes sym int8/int4/int2 with per-token or per-group (gN) scales"
     return None
 
 
@@ -63,7 +67,7 @@ def _option_key(opt: str) -> str | None:
         return "sym"
     if opt in ("static", "dynamic"):
         return "static"
-    if opt == "mse" or opt in TRANSFORMS:
+    if opt in ("mse", "fit") or opt in TRANSFORMS:
         return opt
     return None
 
@@ -77,7 +81,10 @@ class QuantParams:
     puts the keys' quantization error where queries look least (quant.Transform).
     `mse`: each group's scale is the one, among its absmax shrunk by each of quant.MSE_CLIPS,
     whose round trip loses the least squared error (a 2-bit group of rotated values does best
-    clipped to ~60% of its absmax; the clipped values saturate by design)."""
+    clipped to ~60% of its absmax; the clipped values saturate by design).
+    `fit`: mse's scale, then fitted so that each group keeps its inner product with itself
+    (sum of x * stored x = sum of x^2; quant._fitted_scales): a least-error clip shrinks every
+    group toward zero, which lowers the scores of the keys a query matches best."""
 
     dtype: str
     gran: str = ""  # tensor | head | channel | token | group; "" = the dtype's default
@@ -85,6 +92,7 @@ class QuantParams:
     sym: bool = True
     static: bool = False
     mse: bool = False
+    fit: bool = False
     rot: bool = False
     center: bool = False
     smooth: bool = False
@@ -93,14 +101,15 @@ class QuantParams:
         if not self.gran:
             object.__setattr__(self, "gran", _default_gran(self.dtype))
         # Every instance is valid and canonical, so str() always round-trips through parse().
-        why = _problem(self.dtype, self.gran, self.group, self.sym, self.static, self.mse)
+        why = _problem(self.dtype, self.gran, self.group, self.sym, self.static, self.mse,
+                       self.fit)
         if why:
             raise spec_error(str(self), why)
 
     @classmethod
     def parse(cls, part: str, spec: str | None = None) -> QuantParams:
-        """Parse 'DTYPE[:GRAN][:sym|asym][:static|dynamic][:mse][:rot][:center][:smooth]' (no
-        k=/v= prefix)."""
+        """Parse 'DTYPE[:GRAN][:sym|asym][:static|dynamic][:mse|:fit][:rot][:center][:smooth]'
+        (no k=/v= prefix)."""
         spec = part if spec is None else spec
         dtype, *opts = (t.strip() for t in part.split(":"))
         if dtype in _FLOAT and not set(opts) <= set(TRANSFORMS):
@@ -111,10 +120,10 @@ class QuantParams:
             key = _option_key(o)
             if key is None:
                 raise spec_error(spec, f"unknown option {o!r} (expected {'|'.join(GRANS)}|gN, "
-                            f"sym|asym, static|dynamic, mse, {_TRANSFORMS})", part)
+                            f"sym|asym, static|dynamic, mse|fit, {_TRANSFORMS})", part)
             if key in kw:
                 raise spec_error(spec, f"{key} given twice", part)
-            kw[key] = o if key == "gran" else o in ("sym", "static", "mse", *TRANSFORMS)
+            kw[key] = o if key == "gran" else o in ("sym", "static", "mse", "fit", *TRANSFORMS)
         gran, group = kw.get("gran", _default_gran(dtype)), 0
         if gran not in GRANS:  # gN
             digits = gran[1:]
@@ -122,7 +131,7 @@ class QuantParams:
                 raise spec_error(spec, f"bad group size {gran!r} (expected gN with N > 0)", part)
             gran, group = "group", int(digits)
         fields = (dtype, gran, group, kw.get("sym", True), kw.get("static", False),
-                  kw.get("mse", False))
+                  kw.get("mse", False), kw.get("fit", False))
         why = _problem(*fields)
         if why:
             raise spec_error(spec, why, part)
@@ -140,6 +149,8 @@ class QuantParams:
             out += ":static"
         if self.mse:
             out += ":mse"
+        if self.fit:
+            out += ":fit"
         if self.rot:
             out += ":rot"
         if self.center:
@@ -167,6 +178,12 @@ class QuantParams:
     @property
     def bits(self) -> int:
         return _BITS[self.dtype]
+
+    @property
+    def clips(self) -> bool:
+        """Its scales are chosen among clips of the absmax (mse, fit): values past them saturate
+        by design, so they are not counted as saturated."""
+        return self.mse or self.fit
 
     @property
     def per_byte(self) -> int:

@@ -241,8 +241,9 @@ def compute_scales(x: torch.Tensor, p: QuantParams, scale_dtype: torch.dtype = t
     qmax, room_t, qmax_room_t = (xg.new_full((), d) for d in (p.qmax, room, p.qmax + room))
     if p.sym:
         amax = xg.abs().where(fin, 0.0).amax(dims, keepdim=True).squeeze(-1)
-        if p.mse:
-            return _least_error_scales(xg, fin, amax, p, scale_dtype), None
+        if p.clips:
+            scale = _least_error_scales(xg, fin, amax, p, scale_dtype)
+            return (_fitted_scales(xg, fin, scale, p, scale_dtype) if p.fit else scale), None
         return cast_up(amax / qmax, scale_dtype), None
     mn = xg.where(fin, float("inf")).amin(dims, keepdim=True).squeeze(-1)
     mx = xg.where(fin, float("-inf")).amax(dims, keepdim=True).squeeze(-1)
@@ -276,6 +277,23 @@ def _least_error_scales(xg: torch.Tensor, fin: torch.Tensor, amax: torch.Tensor,
         better = err < least
         best, least = torch.where(better, scale, best), torch.where(better, err, least)
     return best
+
+
+def _fitted_scales(xg: torch.Tensor, fin: torch.Tensor, scale: torch.Tensor, p: QuantParams,
+                   scale_dtype: torch.dtype) -> torch.Tensor:
+    """`fit`: per group, the scale s = sum(x^2) / sum(x * c), c the signed steps the group's
+    finite values x take at `scale` (its least-error clip), rounded up to scale_dtype: the group
+    stored at s keeps its inner product with itself (sum x * s c = sum x^2). The least-error
+    scale shrinks a group (the residual is orthogonal to what is kept), so the keys a query
+    matches best lose score. Sums in float64, as _least_error_scales's; a group whose steps do not
+    correlate with it (all zero) keeps `scale`. xg (..., G, D // G), scale (..., G)."""
+    lo, hi = p.qmin + p.offset, p.qmax + p.offset
+    x = xg.where(fin, 0.0).double()  # (..., G, D // G) non-finite values take no part
+    s = scale.float().unsqueeze(-1)  # (..., G, 1)
+    steps = (xg.where(fin, 0.0) / s + p.offset).round().clamp(lo, hi) - p.offset
+    along = (x * steps.double()).sum(-1)  # (..., G)
+    fitted = cast_up((x.square().sum(-1) / along).float(), scale_dtype)
+    return torch.where(along > 0, fitted, scale)
 
 
 def zero_room(p: QuantParams, scale_dtype: torch.dtype = torch.float16) -> int:
@@ -315,8 +333,8 @@ def quantize(x: torch.Tensor, p: QuantParams, scale: torch.Tensor | None,
     else:
         v = v + _zero_point(p, zero)
         lo, hi = p.qmin + p.offset, p.qmax + p.offset
-        # An mse scale clips its group's extremes by design: only NaNs count there.
-        sat = torch.zeros_like(nan) if p.mse else (v < lo - 0.5) | (v > hi + 0.5)
+        # An mse or fit scale clips its group's extremes by design: only NaNs count there.
+        sat = torch.zeros_like(nan) if p.clips else (v < lo - 0.5) | (v > hi + 0.5)
         codes = v.round().clamp(lo, hi).flatten(-2)  # (..., H, T, D)
         if p.storage_dtype == torch.int8:
             q = codes.to(torch.int8)

@@ -55,6 +55,7 @@ class StoreArgs(NamedTuple):
     clips: np.ndarray  # (C,) float32: the fractions of a group's absmax an mse format tries
     # (quant.MSE_CLIPS), an argument, not a global, so no compiled kernel keeps old ones; (0,)
     # for other formats
+    fit: bool  # the least-error scale is then fitted (formats.QuantParams `fit`)
 
 
 def store_args(p: QuantParams, data: torch.Tensor, scale: torch.Tensor | None,
@@ -77,7 +78,8 @@ def store_args(p: QuantParams, data: torch.Tensor, scale: torch.Tensor | None,
     slack = 0.0 if fp8 else 0.5  # a code rounds into range from half a step outside it
     limits = tuple(float(np.float32(c)) for c in (p.qmax, lo, hi, slack, room, fi.tiny, fi.max))
     return StoreArgs(fmt=tuple(fmt), arrays=arrays, block_size=BS, limits=limits,
-                     dynamic=dynamic, clips=np.array(MSE_CLIPS if p.mse else (), np.float32))
+                     dynamic=dynamic, clips=np.array(MSE_CLIPS if p.clips else (), np.float32),
+                     fit=p.fit)
 
 
 # reassoc: the error sums may be added in any order, so that they vectorize. They differ from the
@@ -106,6 +108,24 @@ def least_error_scale(xs, amax, clips, qmax, offset, lo, hi, scale_code, tiny, b
     return best
 
 
+@kernel(error_model="numpy", fastmath={"reassoc"})
+def fitted_scale(xs, bits, offset, lo, hi, scale_code, tiny, big):
+    """quant._fitted_scales for one group xs: the half bits of sum(x^2) / sum(x * steps), the
+    steps xs take at the scale of half bits `bits`, rounded up (float64 sums, as the error
+    sums); `bits` where no step correlates with xs."""
+    s = from_half(bits, scale_code)
+    along = 0.0
+    energy = 0.0
+    for c in range(xs.shape[0]):
+        x = xs[c] if abs(xs[c]) < np.inf else np.float32(0.0)  # NaN and Inf take no part
+        step = np.rint(min(max(x / s + offset, lo), hi)) - offset
+        along += np.float64(x) * np.float64(step)
+        energy += np.float64(x) * np.float64(x)
+    if along > 0.0:
+        return cast_up(np.float32(energy / along), scale_code, tiny, big)
+    return bits
+
+
 @njit(forceinline=True)
 def absmax(xs):
     """The largest |x| of the finite values of xs (0.0 if none), found on their bits: as integers
@@ -119,12 +139,15 @@ def absmax(xs):
 
 
 @njit(forceinline=True)
-def store_scale(xs, scales, zeros, at, has_zero, clips, qmax, offset, lo, hi, room, scale_code,
-                tiny, big):
+def store_scale(xs, scales, zeros, at, has_zero, clips, fit, qmax, offset, lo, hi, room,
+                scale_code, tiny, big):
     """quant.compute_scales for one group xs, into scales[at] (and zeros[at])."""
     if clips.shape[0] > 0:
-        scales[at] = least_error_scale(xs, absmax(xs), clips, qmax, offset, lo, hi, scale_code,
-                                       tiny, big)
+        bits = least_error_scale(xs, absmax(xs), clips, qmax, offset, lo, hi, scale_code, tiny,
+                                 big)
+        if fit:
+            bits = fitted_scale(xs, bits, offset, lo, hi, scale_code, tiny, big)
+        scales[at] = bits
         return
     if not has_zero:
         scales[at] = cast_up(absmax(xs) / qmax, scale_code, tiny, big)
@@ -199,11 +222,12 @@ def ask_for_token(i, blk, off, pool, H, BS, D, dynamic, has_zero):
 
 
 @kernel(error_model="numpy")  # IEEE division: no zero checks
-def compiled_store(x, blk, off, fmt, pool, BS, limits, dynamic, clips):
+def compiled_store(x, blk, off, fmt, pool, BS, limits, dynamic, clips, fit):
     """Quantize x (n, H, D) float32 into `pool` at rows (blk[i], h, off[i]), op for op as
     quant.compute_scales + quant.quantize; returns the count of saturated values and NaNs
-    (for an mse format, one with `clips`, of NaNs: its scales clip by choice). Each step is its
-    own loop over a row copied contiguous, without branches, so that LLVM vectorizes it."""
+    (for an mse or fit format, one with `clips`, of NaNs: its scales clip by choice). Each step
+    is its own loop over a row copied contiguous, without branches, so that LLVM vectorizes
+    it."""
     code, bits, scale_kind, scale_code, has_zero, offset = fmt
     codes, scales, zeros, block_stride, head_stride, token_stride, group_stride, gs = pool
     # float32 as store_args rounded them (numba dispatches a tuple of Python floats faster)
@@ -211,7 +235,7 @@ def compiled_store(x, blk, off, fmt, pool, BS, limits, dynamic, clips):
     slack, room = np.float32(limits[3]), np.float32(limits[4])
     tiny, big = np.float32(limits[5]), np.float32(limits[6])
     low, high = lo - slack, hi + slack  # a value past these is counted as saturated
-    if clips.shape[0] > 0:  # but an mse format's scales clip by choice
+    if clips.shape[0] > 0:  # but an mse or fit format's scales clip by choice
         low, high = np.float32(-np.inf), np.float32(np.inf)
     n, H, D = x.shape
     pb = D // codes.shape[1]  # codes per stored element
@@ -236,7 +260,7 @@ def compiled_store(x, blk, off, fmt, pool, BS, limits, dynamic, clips):
                 at = blk[i] * block_stride + h * head_stride + off[i] * token_stride \
                     + g * group_stride
                 if dynamic:
-                    store_scale(xs, scales, zeros, at, has_zero, clips,
+                    store_scale(xs, scales, zeros, at, has_zero, clips, fit,
                                 qmax, np.float32(offset), lo, hi, room, scale_code, tiny, big)
                 scale = load_scale(scales, scale_code, at)
                 zero = load_scale(zeros, scale_code, at) if has_zero else np.float32(offset)
@@ -258,11 +282,13 @@ def compiled_store(x, blk, off, fmt, pool, BS, limits, dynamic, clips):
 
 @kernel(error_model="numpy")
 def compiled_store_pair(k_rows, v_rows, blk, off, k_fmt, k_pool, k_limits, k_dynamic, k_clips,
-                        v_fmt, v_pool, v_limits, v_dynamic, v_clips, BS):
+                        k_fit, v_fmt, v_pool, v_limits, v_dynamic, v_clips, v_fit, BS):
     """compiled_store of a layer's keys, then of its values, in one call (a decode step's
     direct path: one dispatch, and blk, off and BS unboxed once, for both)."""
-    return (compiled_store(k_rows, blk, off, k_fmt, k_pool, BS, k_limits, k_dynamic, k_clips)
-            + compiled_store(v_rows, blk, off, v_fmt, v_pool, BS, v_limits, v_dynamic, v_clips))
+    return (compiled_store(k_rows, blk, off, k_fmt, k_pool, BS, k_limits, k_dynamic, k_clips,
+                           k_fit)
+            + compiled_store(v_rows, blk, off, v_fmt, v_pool, BS, v_limits, v_dynamic, v_clips,
+                             v_fit))
 
 
 def quantize_store_cpu(x: torch.Tensor, p: QuantParams, data: torch.Tensor,
@@ -284,4 +310,4 @@ def store_rows(x: torch.Tensor, blk: np.ndarray, off: np.ndarray, args: StoreArg
         return 0
     rows = x.numpy() if x.dtype is torch.float32 else x.float().numpy()  # strided views stay so
     return int(compiled_store(rows, blk, off, args.fmt, args.arrays, args.block_size,
-                              args.limits, args.dynamic, args.clips))
+                              args.limits, args.dynamic, args.clips, args.fit))

@@ -70,6 +70,24 @@ def _least_error_scale(xv, in_g, use, amax, qmax, offset, code_min, code_max, ti
 
 
 @_jit
+def _fitted_scale(xv, in_g, use, sc, offset, code_min, code_max, tiny, big, DT: tl.constexpr):
+    """quant._fitted_scales for the groups of one row: per group (GP,), sum(x^2) / sum(x * steps),
+    the steps of the values `use` marks at the scales sc, rounded up to sc's dtype (float64
+    sums); sc where no step correlates with its group."""
+    s_el = tl.sum(tl.where(in_g, sc.to(tl.float32)[:, None, None], 0.0), 0)  # (CP, PB)
+    x = tl.where(use, xv, 0.0)  # (CP, PB)
+    v = tl.math.div_rn(x, tl.where(use, s_el, 1.0)) + offset  # (CP, PB)
+    step = _rint(tl.minimum(tl.maximum(v, code_min), code_max)) - offset  # (CP, PB)
+    along = tl.sum(tl.sum(tl.where(in_g, (x.to(tl.float64) * step.to(tl.float64))[None], 0.0),
+                          2), 1)  # (GP,)
+    energy = tl.sum(tl.sum(tl.where(in_g, (x.to(tl.float64) * x.to(tl.float64))[None], 0.0),
+                           2), 1)  # (GP,)
+    ratio = tl.where(along > 0.0, energy / tl.where(along > 0.0, along, 1.0), 1.0)  # (GP,)
+    fitted = _cast_up(ratio.to(tl.float32), tiny, big, DT)  # (GP,)
+    return tl.where(along > 0.0, fitted, sc)
+
+
+@_jit
 def _store_kernel(
         x, x_stride_n, x_stride_head, blk_ids, offs, count,
         qmax, code_min, code_max, slack, zero_room, scale_tiny, scale_big,
@@ -77,7 +95,7 @@ def _store_kernel(
         scale_stride_block, scale_stride_head, scale_stride_token, scale_stride_group,
         offset,
         KIND: tl.constexpr, BITS: tl.constexpr, HAS_ZERO: tl.constexpr, DYNAMIC: tl.constexpr,
-        MSE: tl.constexpr,
+        MSE: tl.constexpr, FIT: tl.constexpr,
         GROUP_SIZE: tl.constexpr, PB: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
         D: tl.constexpr, CP: tl.constexpr):
     """Token i, head h: quantize one row of D channels and store its codes (and scales)."""
@@ -120,6 +138,10 @@ def _store_kernel(
                     sc = _least_error_scale(xv, in_g, in_row & finite, amax, qmax, offset,
                                             code_min, code_max, scale_tiny, scale_big,
                                             scale.dtype.element_ty)  # (GP,)
+                    if FIT:
+                        sc = _fitted_scale(xv, in_g, in_row & finite, sc, offset, code_min,
+                                           code_max, scale_tiny, scale_big,
+                                           scale.dtype.element_ty)  # (GP,)
                 else:
                     s = tl.math.div_rn(amax, qmax)  # (GP,)
                     sc = _cast_up(s, scale_tiny, scale_big, scale.dtype.element_ty)  # (GP,)
@@ -189,8 +211,8 @@ def _store_args(x: torch.Tensor, p: QuantParams, data: torch.Tensor, scale: torc
         zero_room=float(zero_room(p, scale_dtype)),
         scale_tiny=fi.tiny, scale_big=fi.max,
         **{name: value for name, value in pa.kernel_args().items() if name != "STATIC"},
-        DYNAMIC=not p.static, MSE=p.mse, PB=p.per_byte, G=G, GP=triton.next_power_of_2(G), D=D,
-        CP=triton.next_power_of_2(D // p.per_byte))
+        DYNAMIC=not p.static, MSE=p.clips, FIT=p.fit, PB=p.per_byte, G=G,
+        GP=triton.next_power_of_2(G), D=D, CP=triton.next_power_of_2(D // p.per_byte))
 
 
 def quantize_store_triton(x: torch.Tensor, p: QuantParams, data: torch.Tensor,
