@@ -5,9 +5,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tinykv.formats import bytes_per_token
 from tinykv.quant import (
     MSE_CLIPS,
-    bytes_per_token,
     cast_up,
     compute_scales,
     dequantize,

@@ -83,8 +83,8 @@ class QuantParams:
     whose round trip loses the least squared error (a 2-bit group of rotated values does best
     clipped to ~60% of its absmax; the clipped values saturate by design).
     `fit`: mse's scale, then fitted so that each group keeps its inner product with itself
-    (sum of x * stored x = sum of x^2; quant._fitted_scales): a least-error clip shrinks every
-    group toward zero, which lowers the scores of the keys a query matches best."""
+    (sum of x * stored x = sum of x^2; quant._least_error_scales): a least-error clip shrinks
+    every group toward zero, which lowers the scores of the keys a query matches best."""
 
     dtype: str
     gran: str = ""  # tensor | head | channel | token | group; "" = the dtype's default
@@ -245,3 +245,15 @@ class QuantParams:
         h = 1 if self.gran == "tensor" else n_heads
         t = tokens if self.gran in ("token", "group") else 1
         return (h, t, self.ngroups(head_dim))
+
+
+def bytes_per_token(p: QuantParams, n_kv_heads: int, head_dim: int, block_size: int | None = None,
+                    scale_dtype: torch.dtype = torch.float16) -> float:
+    """Exact bytes per token and layer of K or V: data, token/gN scales and zeros, and with
+    block_size block-wise scales spread over a block's tokens. Static scales (once per layer) are
+    not counted."""
+    data = n_kv_heads * head_dim * p.bits / 8
+    if p.is_float or p.static or (p.block_wise and block_size is None):
+        return data
+    h, t, g = p.scale_shape(n_kv_heads, block_size or 1, head_dim)
+    return data + h * t * g * scale_dtype.itemsize * (1 if p.sym else 2) / (block_size or 1)

@@ -22,10 +22,11 @@ from typing import NamedTuple
 import torch
 
 from .blocks import HOT, STORE, CacheError
+from .formats import bytes_per_token
 from .kernels.layout import PoolLayer
 from .kernels.reference import gather_dequant
 from .model import Config
-from .quant import bytes_per_token, compute_scales, quantize
+from .quant import compute_scales, quantize
 from .spec import KVSpec, QuantParams
 from .tables import SlotRows
 
@@ -297,7 +298,7 @@ def hot_blocks(spec: KVSpec, block_size: int, max_seqs: int, max_step_tokens: in
 
 def block_bytes(cfg: Config, spec: KVSpec, block_size: int,
                 dtype: torch.dtype = torch.float32) -> float:
-    """Bytes of one store block, all layers, K and V (quant.bytes_per_token's formula); skipped
+    """Bytes of one store block, all layers, K and V (formats.bytes_per_token's formula); skipped
     layers store the model's dtype."""
     H, D = cfg.n_kv_heads, cfg.head_dim
     full = QuantParams(_FLOAT_NAMES[dtype])

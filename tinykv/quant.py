@@ -242,8 +242,7 @@ def compute_scales(x: torch.Tensor, p: QuantParams, scale_dtype: torch.dtype = t
     if p.sym:
         amax = xg.abs().where(fin, 0.0).amax(dims, keepdim=True).squeeze(-1)
         if p.clips:
-            scale = _least_error_scales(xg, fin, amax, p, scale_dtype)
-            return (_fitted_scales(xg, fin, scale, p, scale_dtype) if p.fit else scale), None
+            return _least_error_scales(xg, fin, amax, p, scale_dtype), None
         return cast_up(amax / qmax, scale_dtype), None
     mn = xg.where(fin, float("inf")).amin(dims, keepdim=True).squeeze(-1)
     mx = xg.where(fin, float("-inf")).amax(dims, keepdim=True).squeeze(-1)
@@ -260,7 +259,8 @@ def _least_error_scales(xg: torch.Tensor, fin: torch.Tensor, amax: torch.Tensor,
                         scale_dtype: torch.dtype) -> torch.Tensor:
     """Per group, the scale among cast_up(amax * clip / qmax), clip in MSE_CLIPS, whose round trip
     loses the least squared error over the group's finite values (summed in float64, so every
-    store sums the same errors to the same choice); xg (..., G, D // G), amax (..., G)."""
+    store sums the same errors to the same choice), fitted for `fit`; xg (..., G, D // G), amax
+    (..., G)."""
     lo, hi = p.qmin + p.offset, p.qmax + p.offset
     x = xg.where(fin, 0.0)  # (..., G, D // G) non-finite values take no part in the error
     best, least = None, None
@@ -276,24 +276,14 @@ def _least_error_scales(xg: torch.Tensor, fin: torch.Tensor, amax: torch.Tensor,
             continue
         better = err < least
         best, least = torch.where(better, scale, best), torch.where(better, err, least)
-    return best
-
-
-def _fitted_scales(xg: torch.Tensor, fin: torch.Tensor, scale: torch.Tensor, p: QuantParams,
-                   scale_dtype: torch.dtype) -> torch.Tensor:
-    """`fit`: per group, the scale s = sum(x^2) / sum(x * c), c the signed steps the group's
-    finite values x take at `scale` (its least-error clip), rounded up to scale_dtype: the group
-    stored at s keeps its inner product with itself (sum x * s c = sum x^2). The least-error
-    scale shrinks a group (the residual is orthogonal to what is kept), so the keys a query
-    matches best lose score. Sums in float64, as _least_error_scales's; a group whose steps do not
-    correlate with it (all zero) keeps `scale`. xg (..., G, D // G), scale (..., G)."""
-    lo, hi = p.qmin + p.offset, p.qmax + p.offset
-    x = xg.where(fin, 0.0).double()  # (..., G, D // G) non-finite values take no part
-    s = scale.float().unsqueeze(-1)  # (..., G, 1)
-    steps = (xg.where(fin, 0.0) / s + p.offset).round().clamp(lo, hi) - p.offset
-    along = (x * steps.double()).sum(-1)  # (..., G)
-    fitted = cast_up((x.square().sum(-1) / along).float(), scale_dtype)
-    return torch.where(along > 0, fitted, scale)
+    if not p.fit:
+        return best
+    # fit (formats.QuantParams says why): sum(x^2) / sum(x * steps at best), rounded up; best
+    # where no step correlates with x (all zero)
+    steps = (x / best.float().unsqueeze(-1) + p.offset).round().clamp(lo, hi) - p.offset
+    along = (x.double() * steps.double()).sum(-1)  # (..., G)
+    fitted = cast_up((x.double().square().sum(-1) / along).float(), scale_dtype)
+    return torch.where(along > 0, fitted, best)
 
 
 def zero_room(p: QuantParams, scale_dtype: torch.dtype = torch.float16) -> int:
@@ -354,14 +344,3 @@ def dequantize(stored: torch.Tensor, p: QuantParams, scale: torch.Tensor | None,
         q = q - _zero_point(p, zero)
     return (q * scale.float().unsqueeze(-1)).flatten(-2).to(out_dtype)
 
-
-def bytes_per_token(p: QuantParams, n_kv_heads: int, head_dim: int, block_size: int | None = None,
-                    scale_dtype: torch.dtype = torch.float16) -> float:
-    """Exact bytes per token and layer of K or V: data, token/gN scales and zeros, and with
-    block_size block-wise scales spread over a block's tokens. Static scales (once per layer) are
-    not counted."""
-    data = n_kv_heads * head_dim * p.bits / 8
-    if p.is_float or p.static or (p.block_wise and block_size is None):
-        return data
-    h, t, g = p.scale_shape(n_kv_heads, block_size or 1, head_dim)
-    return data + h * t * g * scale_dtype.itemsize * (1 if p.sym else 2) / (block_size or 1)

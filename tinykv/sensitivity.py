@@ -26,9 +26,10 @@ from tqdm import tqdm
 
 from .calibrate import Recorder, scales_from
 from .evaluate import as_stored
+from .formats import bytes_per_token
 from .model import Config, Transformer
 from .outputs import write_text
-from .quant import Transform, bytes_per_token, layer_transforms
+from .quant import Transform, layer_transforms
 from .spec import KVSpec, QuantParams
 
 

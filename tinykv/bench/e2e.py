@@ -26,11 +26,11 @@ import torch
 
 from .. import evaluate
 from ..cache import hot_blocks, make_cache
+from ..formats import bytes_per_token
 from ..generate import Engine, Sampling
 from ..model import Config, Transformer
 from ..outputs import write_text
 from ..plots import save_figure
-from ..quant import bytes_per_token
 from ..spec import KVSpec
 from .charts import grouped_bars
 from .common import machine_info, md_table, repeat_to

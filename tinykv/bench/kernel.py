@@ -29,12 +29,13 @@ from pathlib import Path
 
 import torch
 
+from ..formats import bytes_per_token
 from ..kernels.layout import PoolLayer
 from ..kernels.reference import paged_attention_ref
 from ..kernels.triton import triton
 from ..kernels.triton_aot import Variant
 from ..outputs import write_text
-from ..quant import bytes_per_token, compute_scales, quantize
+from ..quant import compute_scales, quantize
 from ..spec import KVSpec, QuantParams
 
 SHAPES = {"SmolLM2-135M": (9, 3, 64), "Llama-3-8B": (32, 8, 128)}  # query heads, KV heads, head dim

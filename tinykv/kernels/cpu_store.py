@@ -110,9 +110,9 @@ def least_error_scale(xs, amax, clips, qmax, offset, lo, hi, scale_code, tiny, b
 
 @kernel(error_model="numpy", fastmath={"reassoc"})
 def fitted_scale(xs, bits, offset, lo, hi, scale_code, tiny, big):
-    """quant._fitted_scales for one group xs: the half bits of sum(x^2) / sum(x * steps), the
-    steps xs take at the scale of half bits `bits`, rounded up (float64 sums, as the error
-    sums); `bits` where no step correlates with xs."""
+    """quant._least_error_scales's fit for one group xs: the half bits of sum(x^2) /
+    sum(x * steps), the steps xs take at the scale of half bits `bits`, rounded up (float64
+    sums, as the error sums); `bits` where no step correlates with xs."""
     s = from_half(bits, scale_code)
     along = 0.0
     energy = 0.0

@@ -71,9 +71,9 @@ def _least_error_scale(xv, in_g, use, amax, qmax, offset, code_min, code_max, ti
 
 @_jit
 def _fitted_scale(xv, in_g, use, sc, offset, code_min, code_max, tiny, big, DT: tl.constexpr):
-    """quant._fitted_scales for the groups of one row: per group (GP,), sum(x^2) / sum(x * steps),
-    the steps of the values `use` marks at the scales sc, rounded up to sc's dtype (float64
-    sums); sc where no step correlates with its group."""
+    """quant._least_error_scales's fit, for the groups of one row: per group (GP,), sum(x^2) /
+    sum(x * steps), the steps of the values `use` marks at the scales sc, rounded up to sc's
+    dtype (float64 sums); sc where no step correlates with its group."""
     s_el = tl.sum(tl.where(in_g, sc.to(tl.float32)[:, None, None], 0.0), 0)  # (CP, PB)
     x = tl.where(use, xv, 0.0)  # (CP, PB)
     v = tl.math.div_rn(x, tl.where(use, s_el, 1.0)) + offset  # (CP, PB)
