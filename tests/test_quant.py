@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 from tinykv.formats import bytes_per_token
 from tinykv.quant import (
+    FIT_STEPS,
     MSE_CLIPS,
     cast_up,
     compute_scales,
@@ -408,11 +409,11 @@ def test_mse_scale_is_the_clip_that_loses_least(spec):
 
 @pytest.mark.parametrize("spec", ["int2:fit", "int2:g32:fit", "int4:g16:fit", "int8:fit"])
 def test_fit_scale_keeps_each_group_on_itself(spec):
-    """A fit group's scale is its mse scale s0 fitted (float64, here): s = sum(x^2) / sum(x * c),
-    c the steps at s0, rounded up to fp16 (within one fp16 step of s); where c is all zero the
-    scale stays s0. At 2 bits the mse round trip of these skewed groups keeps ~70% of a group's
-    inner product with itself; stored at s (its steps taken again at s) it loses under half of
-    what mse loses."""
+    """A fit group's scale is its mse scale s0 fitted FIT_STEPS times (float64, here): s =
+    sum(x^2) / sum(x * c), c the steps at the previous s, rounded up to fp16 (within one fp16 step
+    of the ratio); where c is all zero the scale stays s0. At 2 bits the mse round trip of these
+    skewed groups keeps ~70% of a group's inner product with itself; stored at s it loses under
+    half of what mse loses."""
     p, mse = QuantParams.parse(spec), QuantParams.parse(spec.replace("fit", "mse"))
     gen = torch.Generator().manual_seed(11)
     x = torch.randn(2, 40, 64, generator=gen) * torch.logspace(-1, 1, 64)[torch.randperm(64,
@@ -422,12 +423,15 @@ def test_fit_scale_keeps_each_group_on_itself(spec):
     G = p.ngroups(64)
     grouped = x.double().unflatten(-1, (G, -1))  # (2, 40, G, 64 // G)
     s0, _ = compute_scales(x, mse)
-    steps = dequantize(quantize(x, mse, s0, None)[0], mse, torch.ones_like(s0), None)
-    along = (grouped * steps.double().unflatten(-1, (G, -1))).sum(-1)  # (2, 40, G)
-    want = grouped.square().sum(-1) / along
+    s = s0
+    for _ in range(FIT_STEPS):
+        steps = dequantize(quantize(x, mse, s, None)[0], mse, torch.ones_like(s), None)
+        along = (grouped * steps.double().unflatten(-1, (G, -1))).sum(-1)  # (2, 40, G)
+        want = grouped.square().sum(-1) / along  # this step's ratio
+        s = torch.where(along > 0, cast_up(want.float(), torch.float16), s)
     scale, zero = compute_scales(x, p)
     assert zero is None and quantize(x, p, scale, None)[1] == 0
-    assert torch.equal(scale[1, 2], s0[1, 2])
+    assert torch.equal(scale, s) and torch.equal(scale[1, 2], s0[1, 2])
     nonzero = along > 0
     fitted = scale.double()[nonzero]
     assert (fitted >= want[nonzero]).all()  # rounded up, never down

@@ -83,8 +83,9 @@ class QuantParams:
     whose round trip loses the least squared error (a 2-bit group of rotated values does best
     clipped to ~60% of its absmax; the clipped values saturate by design).
     `fit`: mse's scale, then fitted so that each group keeps its inner product with itself
-    (sum of x * stored x = sum of x^2; quant._least_error_scales): a least-error clip shrinks
-    every group toward zero, which lowers the scores of the keys a query matches best."""
+    (sum of x * stored x = sum of x^2, refitted to its own steps quant.FIT_STEPS times;
+    quant._least_error_scales): a least-error clip shrinks every group toward zero, which
+    lowers the scores of the keys a query matches best."""
 
     dtype: str
     gran: str = ""  # tensor | head | channel | token | group; "" = the dtype's default

@@ -21,7 +21,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ..quant import MSE_CLIPS, zero_room
+from ..quant import FIT_STEPS, MSE_CLIPS, zero_room
 from ..spec import FP8_MAX, QuantParams
 from .cpu_args import NO_SCALES, as_index, pool_arrays
 from .cpu_numerics import (
@@ -110,7 +110,7 @@ def least_error_scale(xs, amax, clips, qmax, offset, lo, hi, scale_code, tiny, b
 
 @kernel(error_model="numpy", fastmath={"reassoc"})
 def fitted_scale(xs, bits, offset, lo, hi, scale_code, tiny, big):
-    """quant._least_error_scales's fit for one group xs: the half bits of sum(x^2) /
+    """One step of quant._least_error_scales's fit for one group xs: the half bits of sum(x^2) /
     sum(x * steps), the steps xs take at the scale of half bits `bits`, rounded up (float64
     sums, as the error sums); `bits` where no step correlates with xs."""
     s = from_half(bits, scale_code)
@@ -145,7 +145,7 @@ def store_scale(xs, scales, zeros, at, has_zero, clips, fit, qmax, offset, lo, h
     if clips.shape[0] > 0:
         bits = least_error_scale(xs, absmax(xs), clips, qmax, offset, lo, hi, scale_code, tiny,
                                  big)
-        if fit:
+        for _ in range(FIT_STEPS if fit else 0):
             bits = fitted_scale(xs, bits, offset, lo, hi, scale_code, tiny, big)
         scales[at] = bits
         return

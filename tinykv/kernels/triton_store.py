@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ..quant import MSE_CLIP_DIVISOR, MSE_CLIPS, zero_room
+from ..quant import FIT_STEPS, MSE_CLIP_DIVISOR, MSE_CLIPS, zero_room
 from ..spec import FP8_MAX, QuantParams
 from .layout import PoolLayer
 from .triton import _i32, _jit, _pool_args, tl, triton
@@ -71,9 +71,9 @@ def _least_error_scale(xv, in_g, use, amax, qmax, offset, code_min, code_max, ti
 
 @_jit
 def _fitted_scale(xv, in_g, use, sc, offset, code_min, code_max, tiny, big, DT: tl.constexpr):
-    """quant._least_error_scales's fit, for the groups of one row: per group (GP,), sum(x^2) /
-    sum(x * steps), the steps of the values `use` marks at the scales sc, rounded up to sc's
-    dtype (float64 sums); sc where no step correlates with its group."""
+    """One step of quant._least_error_scales's fit, for the groups of one row: per group (GP,),
+    sum(x^2) / sum(x * steps), the steps of the values `use` marks at the scales sc, rounded up
+    to sc's dtype (float64 sums); sc where no step correlates with its group."""
     s_el = tl.sum(tl.where(in_g, sc.to(tl.float32)[:, None, None], 0.0), 0)  # (CP, PB)
     x = tl.where(use, xv, 0.0)  # (CP, PB)
     v = tl.math.div_rn(x, tl.where(use, s_el, 1.0)) + offset  # (CP, PB)
@@ -95,7 +95,7 @@ def _store_kernel(
         scale_stride_block, scale_stride_head, scale_stride_token, scale_stride_group,
         offset,
         KIND: tl.constexpr, BITS: tl.constexpr, HAS_ZERO: tl.constexpr, DYNAMIC: tl.constexpr,
-        MSE: tl.constexpr, FIT: tl.constexpr,
+        MSE: tl.constexpr, FIT_STEPS: tl.constexpr,
         GROUP_SIZE: tl.constexpr, PB: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
         D: tl.constexpr, CP: tl.constexpr):
     """Token i, head h: quantize one row of D channels and store its codes (and scales)."""
@@ -138,7 +138,7 @@ def _store_kernel(
                     sc = _least_error_scale(xv, in_g, in_row & finite, amax, qmax, offset,
                                             code_min, code_max, scale_tiny, scale_big,
                                             scale.dtype.element_ty)  # (GP,)
-                    if FIT:
+                    for _ in tl.static_range(FIT_STEPS):
                         sc = _fitted_scale(xv, in_g, in_row & finite, sc, offset, code_min,
                                            code_max, scale_tiny, scale_big,
                                            scale.dtype.element_ty)  # (GP,)
@@ -211,8 +211,9 @@ def _store_args(x: torch.Tensor, p: QuantParams, data: torch.Tensor, scale: torc
         zero_room=float(zero_room(p, scale_dtype)),
         scale_tiny=fi.tiny, scale_big=fi.max,
         **{name: value for name, value in pa.kernel_args().items() if name != "STATIC"},
-        DYNAMIC=not p.static, MSE=p.clips, FIT=p.fit, PB=p.per_byte, G=G,
-        GP=triton.next_power_of_2(G), D=D, CP=triton.next_power_of_2(D // p.per_byte))
+        DYNAMIC=not p.static, MSE=p.clips, FIT_STEPS=FIT_STEPS if p.fit else 0,
+        PB=p.per_byte, G=G, GP=triton.next_power_of_2(G), D=D,
+        CP=triton.next_power_of_2(D // p.per_byte))
 
 
 def quantize_store_triton(x: torch.Tensor, p: QuantParams, data: torch.Tensor,
