@@ -26,6 +26,7 @@ import torch
 from pools import ATTN_CASES, NB, make_batch, make_pool
 from test_reference import attention_f64, dense
 
+from tinykv import quant
 from tinykv.kernels import cpu as kernels_cpu
 from tinykv.kernels.cpu_args import pool_arrays
 from tinykv.kernels.cpu_vector import takes
@@ -424,6 +425,23 @@ def test_quantize_store_matches_reference(spec, D):
             assert got is None or torch.equal(bits(got), bits(want)), "scales or zeros differ"
         assert isinstance(n_sat, int) and n_sat == n_ref
         assert (n_sat > 0) == (spec not in ("fp32", "bf16"))  # NaN, Inf, 1e6: all counted
+
+
+@pytest.mark.parametrize("steps", [0, 1, 3])
+def test_fit_store_takes_the_steps_of_the_moment(steps, monkeypatch):
+    """quant.FIT_STEPS reaches the compiled store as an argument: a kernel compiled (and cached
+    on disk) for one count cannot keep storing with it. 0 steps store what `mse` stores."""
+    monkeypatch.setattr(quant, "FIT_STEPS", steps)
+    p = QuantParams.parse("int2:g32:fit")
+    args = store_inputs(p, 64, torch.Generator().manual_seed(5), torch.float16, torch.float32)
+    x, _, data, scale, zero, blk, off = args
+    ref = [None if t is None else t.clone() for t in (data, scale, zero)]
+    quantize_store_ref(x, p, *ref, blk, off)
+    quantize_store_cpu(*args)
+    assert torch.equal(bits(scale), bits(ref[1])) and torch.equal(bits(data), bits(ref[0]))
+    mse = [None if t is None else t.clone() for t in (data, scale, zero)]
+    quantize_store_ref(x, QuantParams.parse("int2:g32:mse"), *mse, blk, off)
+    assert torch.equal(scale, mse[1]) == (steps == 0)
 
 
 @pytest.mark.parametrize("spec", ["fp16", "int4", "int2:g32:asym", "int4:g16:mse", "fp8:token"])

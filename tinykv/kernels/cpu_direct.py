@@ -61,7 +61,7 @@ class LayerCalls(NamedTuple):
     """One layer's store and attention as DirectLayers calls them, converted once per cache."""
     store: Resolved | None  # cpu_store.compiled_store_pair: K and V in one call (rows at 0, 1)
     store_args: tuple  # its arguments after blk and off: each pool's (format, arrays, limits,
-    # dynamic, clips, fit), K's then V's, and the block size (cpu_store.StoreArgs)
+    # dynamic, clips, fit steps), K's then V's, and the block size (cpu_store.StoreArgs)
     attend: Resolved  # the serial attention kernel of this pair of formats (q at 2)
     attend_parallel: Resolved  # and the parallel one (q at 1)
     k_arrays: tuple  # cpu_args.PoolArrays of K, then V
@@ -221,8 +221,8 @@ def layer_calls(layers: list[tuple[PoolLayer, PoolLayer]],
             assert k_store.block_size == v_store.block_size == BS, "K and V share the table"
             store = Resolved(compiled_store_pair, 0, 1)
             pair_args = (k_store.fmt, k_store.arrays, k_store.limits, k_store.dynamic,
-                         k_store.clips, k_store.fit, v_store.fmt, v_store.arrays, v_store.limits,
-                         v_store.dynamic, v_store.clips, v_store.fit, BS)
+                         k_store.clips, k_store.fit_steps, v_store.fmt, v_store.arrays,
+                         v_store.limits, v_store.dynamic, v_store.clips, v_store.fit_steps, BS)
         calls.append(LayerCalls(store, pair_args, Resolved(serial, 2), Resolved(parallel, 1),
                                 k_arrays, v_arrays, H, BS))
     return calls

@@ -21,7 +21,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ..quant import FIT_STEPS, MSE_CLIPS, zero_room
+from .. import quant
+from ..quant import MSE_CLIPS, zero_room
 from ..spec import FP8_MAX, QuantParams
 from .cpu_args import NO_SCALES, as_index, pool_arrays
 from .cpu_numerics import (
@@ -55,7 +56,8 @@ class StoreArgs(NamedTuple):
     clips: np.ndarray  # (C,) float32: the fractions of a group's absmax an mse format tries
     # (quant.MSE_CLIPS), an argument, not a global, so no compiled kernel keeps old ones; (0,)
     # for other formats
-    fit: bool  # the least-error scale is then fitted (formats.QuantParams `fit`)
+    fit_steps: int  # times the least-error scale is then fitted (quant.FIT_STEPS for a `fit`
+    # format, else 0), an argument for the same reason
 
 
 def store_args(p: QuantParams, data: torch.Tensor, scale: torch.Tensor | None,
@@ -79,7 +81,7 @@ def store_args(p: QuantParams, data: torch.Tensor, scale: torch.Tensor | None,
     limits = tuple(float(np.float32(c)) for c in (p.qmax, lo, hi, slack, room, fi.tiny, fi.max))
     return StoreArgs(fmt=tuple(fmt), arrays=arrays, block_size=BS, limits=limits,
                      dynamic=dynamic, clips=np.array(MSE_CLIPS if p.clips else (), np.float32),
-                     fit=p.fit)
+                     fit_steps=quant.FIT_STEPS if p.fit else 0)
 
 
 # reassoc: the error sums may be added in any order, so that they vectorize. They differ from the
@@ -139,13 +141,13 @@ def absmax(xs):
 
 
 @njit(forceinline=True)
-def store_scale(xs, scales, zeros, at, has_zero, clips, fit, qmax, offset, lo, hi, room,
+def store_scale(xs, scales, zeros, at, has_zero, clips, fit_steps, qmax, offset, lo, hi, room,
                 scale_code, tiny, big):
     """quant.compute_scales for one group xs, into scales[at] (and zeros[at])."""
     if clips.shape[0] > 0:
         bits = least_error_scale(xs, absmax(xs), clips, qmax, offset, lo, hi, scale_code, tiny,
                                  big)
-        for _ in range(FIT_STEPS if fit else 0):
+        for _ in range(fit_steps):
             bits = fitted_scale(xs, bits, offset, lo, hi, scale_code, tiny, big)
         scales[at] = bits
         return
@@ -222,7 +224,7 @@ def ask_for_token(i, blk, off, pool, H, BS, D, dynamic, has_zero):
 
 
 @kernel(error_model="numpy")  # IEEE division: no zero checks
-def compiled_store(x, blk, off, fmt, pool, BS, limits, dynamic, clips, fit):
+def compiled_store(x, blk, off, fmt, pool, BS, limits, dynamic, clips, fit_steps):
     """Quantize x (n, H, D) float32 into `pool` at rows (blk[i], h, off[i]), op for op as
     quant.compute_scales + quant.quantize; returns the count of saturated values and NaNs
     (for an mse or fit format, one with `clips`, of NaNs: its scales clip by choice). Each step
@@ -260,7 +262,7 @@ def compiled_store(x, blk, off, fmt, pool, BS, limits, dynamic, clips, fit):
                 at = blk[i] * block_stride + h * head_stride + off[i] * token_stride \
                     + g * group_stride
                 if dynamic:
-                    store_scale(xs, scales, zeros, at, has_zero, clips, fit,
+                    store_scale(xs, scales, zeros, at, has_zero, clips, fit_steps,
                                 qmax, np.float32(offset), lo, hi, room, scale_code, tiny, big)
                 scale = load_scale(scales, scale_code, at)
                 zero = load_scale(zeros, scale_code, at) if has_zero else np.float32(offset)
@@ -282,13 +284,14 @@ def compiled_store(x, blk, off, fmt, pool, BS, limits, dynamic, clips, fit):
 
 @kernel(error_model="numpy")
 def compiled_store_pair(k_rows, v_rows, blk, off, k_fmt, k_pool, k_limits, k_dynamic, k_clips,
-                        k_fit, v_fmt, v_pool, v_limits, v_dynamic, v_clips, v_fit, BS):
+                        k_fit_steps, v_fmt, v_pool, v_limits, v_dynamic, v_clips, v_fit_steps,
+                        BS):
     """compiled_store of a layer's keys, then of its values, in one call (a decode step's
     direct path: one dispatch, and blk, off and BS unboxed once, for both)."""
     return (compiled_store(k_rows, blk, off, k_fmt, k_pool, BS, k_limits, k_dynamic, k_clips,
-                           k_fit)
+                           k_fit_steps)
             + compiled_store(v_rows, blk, off, v_fmt, v_pool, BS, v_limits, v_dynamic, v_clips,
-                             v_fit))
+                             v_fit_steps))
 
 
 def quantize_store_cpu(x: torch.Tensor, p: QuantParams, data: torch.Tensor,
@@ -310,4 +313,4 @@ def store_rows(x: torch.Tensor, blk: np.ndarray, off: np.ndarray, args: StoreArg
         return 0
     rows = x.numpy() if x.dtype is torch.float32 else x.float().numpy()  # strided views stay so
     return int(compiled_store(rows, blk, off, args.fmt, args.arrays, args.block_size,
-                              args.limits, args.dynamic, args.clips, args.fit))
+                              args.limits, args.dynamic, args.clips, args.fit_steps))

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from ..quant import FIT_STEPS, MSE_CLIP_DIVISOR, MSE_CLIPS, zero_room
+from .. import quant
+from ..quant import MSE_CLIP_DIVISOR, MSE_CLIPS, zero_room
 from ..spec import FP8_MAX, QuantParams
 from .layout import PoolLayer
 from .triton import _i32, _jit, _pool_args, tl, triton
@@ -211,7 +212,7 @@ def _store_args(x: torch.Tensor, p: QuantParams, data: torch.Tensor, scale: torc
         zero_room=float(zero_room(p, scale_dtype)),
         scale_tiny=fi.tiny, scale_big=fi.max,
         **{name: value for name, value in pa.kernel_args().items() if name != "STATIC"},
-        DYNAMIC=not p.static, MSE=p.clips, FIT_STEPS=FIT_STEPS if p.fit else 0,
+        DYNAMIC=not p.static, MSE=p.clips, FIT_STEPS=quant.FIT_STEPS if p.fit else 0,
         PB=p.per_byte, G=G, GP=triton.next_power_of_2(G), D=D,
         CP=triton.next_power_of_2(D // p.per_byte))
 
