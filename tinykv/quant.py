@@ -280,10 +280,11 @@ def _least_error_scales(xg: torch.Tensor, fin: torch.Tensor, amax: torch.Tensor,
         best, least = torch.where(better, scale, best), torch.where(better, err, least)
     # fit (formats.QuantParams says why): s = sum(x^2) / sum(x * steps at s), rounded up, FIT_STEPS
     # times from best; s stays where no step correlates with x (all zero)
+    energy = x.double().square().sum(-1) if p.fit else None  # (..., G)
     for _ in range(FIT_STEPS if p.fit else 0):
         steps = (x / best.float().unsqueeze(-1) + p.offset).round().clamp(lo, hi) - p.offset
         along = (x.double() * steps.double()).sum(-1)  # (..., G)
-        fitted = cast_up((x.double().square().sum(-1) / along).float(), scale_dtype)
+        fitted = cast_up((energy / along).float(), scale_dtype)
         best = torch.where(along > 0, fitted, best)
     return best
 
