@@ -235,4 +235,25 @@ def test_kernel_bench_pools_of_one_block():
     codes, scales = 3 * 16 * 32, 3 * 16 * 2  # (H, BS, D / 2) bytes, (H, BS, 1) fp16 scales
     assert layers[0].nbytes == codes * 2 + scales * 2
     got = attention.measure_shape(["int4"], 1, 16, reps=1, budget=1)
-    assert got["int4"]["attend_s"] > 0 and got["int4"]["touch_s"] > 0
+    assert got["int4", 1]["attend_s"] > 0 and got["int4", 1]["touch_s"] > 0
+
+
+def test_kernel_bench_times_thread_counts_in_turn(monkeypatch):
+    """Each thread count and spec is timed within the same reps (so a slow moment falls on all
+    of them), and a row past one thread is its own one-thread time over its time."""
+    from tinykv.bench import attention
+
+    if not attention.AVAILABLE:
+        pytest.skip("numba is not installed")
+    order, real, before = [], attention.set_threads, torch.get_num_threads()
+    monkeypatch.setattr(attention, "set_threads", lambda n: order.append(n) or real(n))
+    try:
+        got = attention.measure_shape(["fp16", "int4"], 1, 32, reps=2, budget=1, threads=[1, 2])
+    finally:
+        real(before)
+    assert order[-4:] == [1, 2, 1, 2]  # the last rep: each spec at 1 thread, then 2
+    machine = {"read_gb_s": 10.0, "clock_ghz": 3.0, "fma_g_s": 50.0}
+    one, two = (attention._row("int4", 1, 32, n, got, machine) for n in (1, 2))
+    assert "speedup" not in one
+    assert math.isclose(two["speedup"], got["int4", 1]["attend_s"] / got["int4", 2]["attend_s"])
+    assert math.isclose(two["vs_fp16"], got["int4", 2]["attend_s"] / got["fp16", 2]["attend_s"])

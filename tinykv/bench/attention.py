@@ -202,8 +202,11 @@ def _clone(t: torch.Tensor | None) -> torch.Tensor | None:
 
 # ---- the measurement ------------------------------------------------------------------------
 
-def measure_shape(specs: list[str], batch: int, context: int, reps: int, budget: int) -> dict:
-    """Median per-call seconds of attention and of the touch, per spec, interleaved."""
+def measure_shape(specs: list[str], batch: int, context: int, reps: int, budget: int,
+                  threads: list[int] = (1,)) -> dict:
+    """(spec, thread count) -> median per-call seconds of attention, and of the (one-thread)
+    touch: every spec and thread count in turn within each rep, so that a slow moment of a shared
+    machine falls on all of them alike and their ratios hold."""
     from ..kernels.cpu import CpuKernels
 
     H, R, D = SHAPE["kv_heads"], SHAPE["n_rep"], SHAPE["head_dim"]
@@ -224,17 +227,22 @@ def measure_shape(specs: list[str], batch: int, context: int, reps: int, budget:
         for x in layers[spec]:
             x.touch(lens)
 
-    times = {(s, what): [] for s in specs for what in ("attend", "touch")}
-    for s in specs:  # compile, fault the pages in
-        attend(s)
-        touch(s)
+    times = {(s, what): [] for s in specs for what in ("touch", *threads)}
+    for n in threads:  # compile, start the threads, fault the pages in
+        set_threads(n)
+        for s in specs:
+            attend(s)
+            touch(s)
     for _ in range(reps):
         for s in specs:
-            for what, fn in (("attend", attend), ("touch", touch)):
-                times[s, what].append(_timed(fn, s) / len(layers[s]))
-    return {s: {"attend_s": statistics.median(times[s, "attend"]),
-                "touch_s": statistics.median(times[s, "touch"]),
-                "bytes": layers[s][0].nbytes, "layers": len(layers[s])} for s in specs}
+            times[s, "touch"].append(_timed(touch, s) / len(layers[s]))
+            for n in threads:
+                set_threads(n)
+                times[s, n].append(_timed(attend, s) / len(layers[s]))
+    return {(s, n): {"attend_s": statistics.median(times[s, n]),
+                     "touch_s": statistics.median(times[s, "touch"]),
+                     "bytes": layers[s][0].nbytes, "layers": len(layers[s])}
+            for s in specs for n in threads}
 
 
 def fixed_costs(spec: str, calls: int = 300, rounds: int = 5) -> dict:
@@ -310,23 +318,26 @@ def collect(specs: list[str], shapes: list[tuple[int, int]], threads: list[int],
     """The machine's ceilings, then a row per thread count, shape and spec."""
     mib = 512 if budget > 2**20 else 16  # a quick run: a token bandwidth
     machine = {"read_gb_s": read_bandwidth(mib), "clock_ghz": clock_ghz(), "fma_g_s": fma_peak()}
+    got, cached = {}, {}
+    for batch, context in shapes:
+        got[batch, context] = measure_shape(specs, batch, context, reps, budget, threads)
+        # one layer: stays in cache
+        cached[batch, context] = measure_shape(specs, batch, context, reps, 1, threads)
     rows = []
     for n in threads:
-        set_threads(n)
         for batch, context in shapes:
-            got = measure_shape(specs, batch, context, reps, budget)
-            cached = measure_shape(specs, batch, context, reps, 1)  # one layer: stays in cache
             for s in specs:
-                rows.append(_row(s, batch, context, n, got, machine, rows))
-                rows[-1]["cached_ms"] = 1e3 * cached[s]["attend_s"]
+                rows.append(_row(s, batch, context, n, got[batch, context], machine))
+                rows[-1]["cached_ms"] = 1e3 * cached[batch, context][s, n]["attend_s"]
     fixed = {s: fixed_costs(s) for s in specs}  # threads as the last count
     return {"machine": machine, "shape": SHAPE, "budget_bytes": budget, "reps": reps,
             "rows": rows, "fixed_us": fixed}
 
 
-def _row(spec: str, batch: int, context: int, threads: int, got: dict, machine: dict,
-         earlier: list[dict]) -> dict:
-    g = got[spec]
+def _row(spec: str, batch: int, context: int, threads: int, got: dict, machine: dict) -> dict:
+    """A table row from measure_shape's `got`: this spec beside fp16 and, past one thread,
+    beside itself on one thread, both measured in turn with it."""
+    g = got[spec, threads]
     t = g["attend_s"]
     keys = batch * context * SHAPE["kv_heads"]
     row = {"kv": spec, "batch": batch, "context": context, "threads": threads,
@@ -336,12 +347,10 @@ def _row(spec: str, batch: int, context: int, threads: int, got: dict, machine: 
     row["pct_bandwidth"] = 100 * row["gb_s"] / machine["read_gb_s"]
     fmas = keys * SHAPE["n_rep"] * SHAPE["head_dim"] * 2  # q . k and p * v, per query head
     row["pct_fma_peak"] = 100 * fmas / t / 1e9 / machine["fma_g_s"]
-    if "fp16" in got:
-        row["vs_fp16"] = t / got["fp16"]["attend_s"]
-    one = [r for r in earlier if (r["kv"], r["batch"], r["context"], r["threads"])
-           == (spec, batch, context, 1)]
-    if threads > 1 and one:
-        row["speedup"] = one[0]["ms"] / row["ms"]
+    if ("fp16", threads) in got:
+        row["vs_fp16"] = t / got["fp16", threads]["attend_s"]
+    if threads > 1 and (spec, 1) in got:
+        row["speedup"] = got[spec, 1]["attend_s"] / t
     return row
 
 
