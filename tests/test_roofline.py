@@ -257,3 +257,14 @@ def test_kernel_bench_times_thread_counts_in_turn(monkeypatch):
     assert "speedup" not in one
     assert math.isclose(two["speedup"], got["int4", 1]["attend_s"] / got["int4", 2]["attend_s"])
     assert math.isclose(two["vs_fp16"], got["int4", 2]["attend_s"] / got["fp16", 2]["attend_s"])
+
+
+def test_fma_peak_of_threads_at_once_restores_the_count():
+    from tinykv.bench import attention
+
+    if not attention.AVAILABLE:
+        pytest.skip("numba is not installed")
+    before = torch.get_num_threads()
+    one, two = ceilings.fma_peak(200_000), ceilings.fma_peak(200_000, threads=2)
+    assert one > 0 and two > 0  # two threads' sum: what a busy host gives is not asserted
+    assert torch.get_num_threads() == before

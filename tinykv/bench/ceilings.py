@@ -1,6 +1,6 @@
-"""What a decode step may cost at best, measured or counted: the machine's read bandwidth, the
-weights a step reads and the multiply-adds its linear layers make (bench roofline, bench peers);
-and the thread count the measurements run on."""
+"""What a decode step may cost at best, measured or counted: the machine's read bandwidth and
+FMA peak (numba), the weights a step reads and the multiply-adds its linear layers make (bench
+roofline, bench peers); and the thread count the measurements run on."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 from functools import partial
 
+import numpy as np
 import torch
 
 from .. import gemv
@@ -52,6 +53,41 @@ def measure_bandwidth(mib: int, reps: int) -> dict:
         out["tinykv_gemv_gb_s"] = a.nbytes / min(seconds(product, reps)) / 1e9
     out["gb_s"] = max(v for k, v in out.items() if k.endswith("gb_s"))
     return out
+
+
+def fma_peak(n: int = 20_000_000, threads: int = 1) -> float:
+    """Float32 FMAs per second (G) of `threads` threads at once, each 8 independent chains of
+    one-register multiply-adds (enough to fill two FMA units of 4 cycles' latency). A register
+    is 16 lanes with AVX-512, 8 with AVX2: 16-lane chains there would be 16 registers and spill,
+    measuring the stack instead. Past one thread it says what the machine gives the threads now:
+    a host that runs other guests on the same cores gives less than the count times one."""
+    from ..kernels.cpu_numerics import njit, prange
+    from ..kernels.cpu_simd import WIDE_VECTORS, splat, store
+    from ..kernels.cpu_simd_ops import fma
+
+    lanes = 16 if WIDE_VECTORS else 8
+
+    @njit(parallel=True)
+    def fmas(out, n):
+        for thread in prange(out.shape[0] // lanes):  # one chain set a thread
+            a, b = splat(0.999, lanes), splat(0.5, lanes)
+            x0, x1 = splat(1.0, lanes), splat(2.0, lanes)
+            x2, x3 = splat(3.0, lanes), splat(4.0, lanes)
+            x4, x5 = splat(5.0, lanes), splat(6.0, lanes)
+            x6, x7 = splat(7.0, lanes), splat(8.0, lanes)
+            for _ in range(n):  # llvm.fma: exactly one FMA each, never folded across iterations
+                x0, x1, x2, x3 = fma(x0, a, b), fma(x1, a, b), fma(x2, a, b), fma(x3, a, b)
+                x4, x5, x6, x7 = fma(x4, a, b), fma(x5, a, b), fma(x6, a, b), fma(x7, a, b)
+            store(out, thread * lanes, x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7)
+
+    before = torch.get_num_threads()
+    set_threads(threads)
+    try:
+        out = np.zeros(threads * lanes, np.float32)
+        best = min(seconds(partial(fmas, out, n), 3))
+    finally:
+        set_threads(before)
+    return 8 * lanes * n * threads / best / 1e9
 
 
 def _unread_tables(model: Transformer) -> list[torch.Tensor]:

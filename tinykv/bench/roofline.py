@@ -37,7 +37,14 @@ from ..outputs import write_text
 from ..scalefile import load_scales
 from ..spec import KVSpec, SpecError
 from . import attention
-from .ceilings import linear_macs, measure_bandwidth, seconds, set_threads, weight_bytes
+from .ceilings import (
+    fma_peak,
+    linear_macs,
+    measure_bandwidth,
+    seconds,
+    set_threads,
+    weight_bytes,
+)
 from .charts import roofline_charts
 from .common import machine_info, md_table, time_in_turn
 from .e2e import DEFAULT_SPECS, HF_QUANT, KIVI
@@ -303,8 +310,8 @@ def collect(model: Transformer, hf, mode: dict, specs: list[str], threads: list[
     for n in threads:
         set_threads(n)
         bw = measure_bandwidth(mode["bw_mib"], mode["bw_reps"])
-        # one core's FMA loop (attention.fma_peak) times the threads: the cores are alike
-        fma = attention.fma_peak() * n if attention.AVAILABLE else 0.0
+        # the threads' FMA loops at once: a shared host may give less than n times one's
+        fma = fma_peak(threads=n) if attention.AVAILABLE else 0.0
         tick(f"{n} threads: bandwidth and FMA peak")
         # the kernel table's pools are synthetic, one format pair a spec: not per-layer specs
         kernel = kernel_table([s for s in specs if not KVSpec.parse(s).per_layer], mode, n,
