@@ -179,7 +179,7 @@ def _clone(t: torch.Tensor | None) -> torch.Tensor | None:
 # ---- the measurement ------------------------------------------------------------------------
 
 def measure_shape(specs: list[str], batch: int, context: int, reps: int, budget: int,
-                  threads: list[int] = (1,)) -> dict:
+                  threads: tuple[int, ...] | list[int] = (1,)) -> dict:
     """(spec, thread count) -> median per-call seconds of attention, and of the (one-thread)
     touch: every spec and thread count in turn within each rep, so that a slow moment of a shared
     machine falls on all of them alike and their ratios hold."""
