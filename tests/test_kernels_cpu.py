@@ -17,6 +17,7 @@ output moves by at most (e^(2 eps) - 1) * 2 max_t |v_t|.
 """
 
 import math
+import re
 import subprocess
 import sys
 
@@ -210,6 +211,63 @@ def test_vector_kernel_takes_the_default_model_formats():
         pool = make_pool(spec, 3, 16, 64, torch.Generator().manual_seed(0))
         fmt, arrays = pool_arrays(pool, 3, 16, 64)
         assert takes(fmt, fmt, 3, 64, 16, 64 // arrays[7]), spec
+
+
+def _counts_in_loops(llvm_ir: str) -> list[str]:
+    """The basic blocks of an LLVM module's functions that call NRT_incref or NRT_decref and
+    lie on a cycle of branches (reach themselves): a reference counted once a loop's turn."""
+    found = []
+    for function in re.split(r"\ndefine ", llvm_ir)[1:]:
+        blocks, label = {}, "entry"
+        for line in function.splitlines()[1:]:
+            start = re.match(r"^([\w.\-]+):", line)
+            if start:
+                label = start.group(1)
+            blocks[label] = blocks.get(label, "") + line + "\n"
+        after = {b: set(re.findall(r"label %([\w.\-]+)", text)) for b, text in blocks.items()}
+        for b, text in blocks.items():
+            if not re.search(r"call void @NRT_(incref|decref)", text):
+                continue
+            seen, todo = set(), list(after[b])
+            while todo:
+                nxt = todo.pop()
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.extend(after.get(nxt, ()))
+            if b in seen:
+                found.append(b)
+    return found
+
+
+def test_vector_kernel_counts_no_reference_in_its_loops(monkeypatch):
+    """numba counts a reference to an array up and down where code takes it from a tuple or
+    hands it to a function with branches, and such a pair left in the loop over blocks is two
+    atomic adds a block to a count that every thread shares: the threads hand its cache line
+    back and forth. The kernel compiled here (not from the disk cache: its IR is kept) counts
+    its arrays on entry only."""
+    from numba.core.caching import NullCache
+
+    from tinykv.kernels import cpu_vector
+
+    made = []
+
+    def uncached(*args):
+        kernels = cpu_vector.vector_kernel.__wrapped__(*args)
+        for dispatcher in kernels:
+            dispatcher._cache = NullCache()
+        made.append(kernels)
+        return kernels
+
+    monkeypatch.setattr(kernels_cpu, "vector_kernel", uncached)
+    gen = torch.Generator().manual_seed(3)
+    k, v = make_pool("int4", 3, 16, 64, gen), make_pool("int4:g32:asym", 3, 16, 64, gen)
+    q, q_seq, q_pos, table, ctx = make_batch(16, 9, 64, gen)
+    keep = [0, 1, 5, 6]  # the decoding rows
+    kernels_cpu.CpuKernels(vector=True).attend(q[keep], torch.arange(4), q_pos[keep], k, v,
+                                               table[[0, 1, 3, 4]], ctx[[0, 1, 3, 4]], 0.125)
+    llvm_ir = "\n".join(made[0][0].inspect_llvm().values())
+    assert "call void @NRT_incref" in llvm_ir  # the counts on entry: what the search looks for
+    assert _counts_in_loops(llvm_ir) == []
 
 
 def test_two_pools_merge_and_half_queries():

@@ -236,8 +236,9 @@ def vector_kernel(kf: PoolFormat, vf: PoolFormat, R: int, D: int, k_groups: int,
                 continue
             nxt = row[j + AHEAD] if j + AHEAD < hi else -1
             if nxt >= 0:  # a later block's K and V start coming while this one is read: the
-                prefetch_scales(k, nxt, h, k_has_zero)  # scales now, the codes a row per key
-                prefetch_scales(v, nxt, h, v_has_zero)  # of this block (prefetch_row)
+                # scales now, the codes a row per key of this block (prefetch_row)
+                prefetch_scales(k_scales, k_zeros, kb_stride, kh_stride, nxt, h, k_has_zero)
+                prefetch_scales(v_scales, v_zeros, vb_stride, vh_stride, nxt, h, v_has_zero)
             k_next, v_next = (nxt * H + h) * BS * k_row, (nxt * H + h) * BS * v_row
             # Where scales change per block, the next block's are folded into the query now,
             # ahead of this block's work: a fold is a chain of dependent steps (a max over the

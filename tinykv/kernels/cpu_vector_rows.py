@@ -220,8 +220,9 @@ def tile_scorer(fmt: PoolFormat, R: int, D: int, groups: int):
 @njit(forceinline=True)
 def prefetch_block(pool, blk, h, H, BS, row, row_bytes, has_zero):
     """Start reading a block's codes of head h (rows as prefetch_row's), and its scales."""
-    prefetch_lines(pool[0], (blk * H + h) * BS * row, (BS * row_bytes + 63) // 64, LEVEL)
-    prefetch_scales(pool, blk, h, has_zero)
+    codes, scales, zeros, b_stride, h_stride = pool[:5]
+    prefetch_lines(codes, (blk * H + h) * BS * row, (BS * row_bytes + 63) // 64, LEVEL)
+    prefetch_scales(scales, zeros, b_stride, h_stride, blk, h, has_zero)
 
 
 @njit(forceinline=True)
@@ -235,13 +236,17 @@ def prefetch_row(codes, at, row, row_bytes, t):
 
 
 @njit(forceinline=True)
-def prefetch_scales(pool, blk, h, has_zero):
+def prefetch_scales(scales, zeros, b_stride, h_stride, blk, h, has_zero):
     """Start reading a block's scales (and zero points) of head h where they change per
-    block: a scale line missed per block costs a DRAM latency of its own."""
-    scales, zeros, b_stride, h_stride = pool[1:5]
-    if b_stride != 0:
-        at = blk * b_stride + h * h_stride
-        lines = ((h_stride if h_stride else b_stride) * scales.itemsize + 63) // 64 + 1
-        prefetch_lines(scales, at, lines, LEVEL)
-        if has_zero:
-            prefetch_lines(zeros, at, lines, LEVEL)
+    block: a scale line missed per block costs a DRAM latency of its own.
+
+    No branch touches the arrays. numba counts a reference to each array an inlined function
+    is given, up on entry and down on return, and removes such pairs only where nothing
+    branches between them; the ones left are atomic adds to a count that every thread's calls
+    share, so the threads hand that cache line back and forth once a block. Static scales
+    (b_stride 0) ask for no line: a count of 0, not a branch."""
+    at = blk * b_stride + h * h_stride
+    span = h_stride + b_stride * (h_stride == 0)  # elements of head h's scales in the block
+    lines = ((span * scales.itemsize + 63) // 64 + 1) * (b_stride != 0)
+    prefetch_lines(scales, at, lines, LEVEL)
+    prefetch_lines(zeros, at, lines * has_zero, LEVEL)
