@@ -248,15 +248,25 @@ def test_kernel_bench_times_thread_counts_in_turn(monkeypatch):
     order, real, before = [], attention.set_threads, torch.get_num_threads()
     monkeypatch.setattr(attention, "set_threads", lambda n: order.append(n) or real(n))
     try:
-        got = attention.measure_shape(["fp16", "int4"], 1, 32, reps=2, budget=1, threads=[1, 2])
+        got = attention.measure_shape(["fp16", "int4"], 1, 32, reps=3, budget=1, threads=[1, 2])
     finally:
         real(before)
     assert order[-4:] == [1, 2, 1, 2]  # the last rep: each spec at 1 thread, then 2
-    machine = {"read_gb_s": 10.0, "clock_ghz": 3.0, "fma_g_s": 50.0}
+    machine = {"read_gb_s": 10.0, "clock_ghz": 3.0, "fma_g_s": 50.0,
+               "read_gb_s_threads": {"2": 15.0}}
     one, two = (attention._row("int4", 1, 32, n, got, machine) for n in (1, 2))
     assert "speedup" not in one
-    assert math.isclose(two["speedup"], got["int4", 1]["attend_s"] / got["int4", 2]["attend_s"])
+    # rep by rep: rep i on one thread over rep i on two; the middle of the three, and the span
+    paired = sorted(a / b for a, b in zip(got["int4", 1]["reps_s"], got["int4", 2]["reps_s"]))
+    assert len(paired) == 3
+    assert math.isclose(two["speedup"], paired[1])
+    assert two["speedup_range"] == [paired[0], paired[2]]
     assert math.isclose(two["vs_fp16"], got["int4", 2]["attend_s"] / got["fp16", 2]["attend_s"])
+    # each thread count's share of the bandwidth is of its own: 2 threads against 15 GB/s
+    assert math.isclose(one["pct_bandwidth"], 100 * one["gb_s"] / 10.0)
+    assert math.isclose(two["pct_bandwidth"], 100 * two["gb_s"] / 15.0)
+    cell = attention._speedup(two)
+    assert cell == f"{paired[1]:.2f}x ({paired[0]:.2f}-{paired[2]:.2f})"
 
 
 def test_fma_peak_of_threads_at_once_restores_the_count():
@@ -267,4 +277,16 @@ def test_fma_peak_of_threads_at_once_restores_the_count():
     before = torch.get_num_threads()
     one, two = ceilings.fma_peak(200_000), ceilings.fma_peak(200_000, threads=2)
     assert one > 0 and two > 0  # two threads' sum: what a busy host gives is not asserted
+    assert torch.get_num_threads() == before
+
+
+def test_reads_in_turn_measures_each_thread_count_and_restores_it():
+    from tinykv.bench import attention
+
+    if not attention.AVAILABLE:
+        pytest.skip("numba is not installed")
+    before = torch.get_num_threads()
+    got = ceilings.reads_in_turn(4, [1, 2], reps=2)
+    assert sorted(got) == [1, 2]
+    assert all(gb_s > 0 for gb_s in got.values())  # what a busy host gives 2 is not asserted
     assert torch.get_num_threads() == before

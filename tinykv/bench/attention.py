@@ -8,8 +8,8 @@ shape (3 KV heads of 3 query heads, head_dim 64, blocks of 16, in shuffled physi
   kernel's math alone, without waiting on DRAM;
 - touch: the same call's K/V bytes and scales read in block-table order, with no math: the read
   ceiling of that exact layout and block order. attention / touch is "x touch".
-- % bandwidth: the call's bytes over its time, against the machine's read bandwidth (a sum over
-  a large array);
+- % bandwidth: the call's bytes over its time, against the machine's read bandwidth (a pass over
+  a large array, by as many threads at once as the call runs on: ceilings.reads_in_turn);
 - cycles per key and KV head, at the clock measured here (a chain of dependent 1-cycle ops), and
   the FMA peak (a loop of independent vector FMAs; torch's matmul would measure its own kernel)
   and the share of it the call's FMAs (q . k and p * v) reach;
@@ -18,7 +18,8 @@ shape (3 KV heads of 3 query heads, head_dim 64, blocks of 16, in shuffled physi
   in a decode step, where each layer's weights stream through the caches between its calls).
 Every layer call reads its own pool (pseudo-layers cycled past the last-level cache), so K/V come
 from DRAM as in a real decode step. Specs and the touch are interleaved, repetition by repetition,
-so drift in the machine's speed hits them alike; each number is a median over repetitions.
+so drift in the machine's speed hits them alike; each number is a median over repetitions, and a
+speedup over one thread the median of the repetitions' paired ratios.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from ..kernels.layout import PoolLayer
 from ..outputs import write_text
 from ..quant import compute_scales, quantize
 from ..spec import KVSpec, QuantParams
-from .ceilings import fma_peak, set_threads
+from .ceilings import fma_peak, reads_in_turn, set_threads
 
 SHAPE = dict(kv_heads=3, n_rep=3, head_dim=64, block_size=16)  # the default model's
 # Read before each "cold" call: about one decode layer's weights of the default model (14 MB),
@@ -51,27 +52,11 @@ SPECS = ["fp16", "int8", "int4", KIVI]
 # ---- the machine ----------------------------------------------------------------------------
 
 @njit(cache=True)
-def _xor_words(words):
-    acc = np.uint64(0)
-    for i in range(words.shape[0]):
-        acc ^= words[i]
-    return acc
-
-
-@njit(cache=True)
 def _chain(n, x):
     """n iterations of two dependent 1-cycle integer ops (a shift, then an xor)."""
     for i in range(n):
         x = (x >> np.uint64(1)) ^ (x + np.uint64(i))
     return x
-
-
-def read_bandwidth(mib: int = 512, reps: int = 3) -> float:
-    """GB/s of a single pass over `mib` MiB (best of reps, after one untimed pass)."""
-    words = np.ones(mib * 2**20 // 8, np.uint64)
-    _xor_words(words)
-    best = min(_timed(_xor_words, words) for _ in range(reps))
-    return words.nbytes / best / 1e9
 
 
 def clock_ghz(n: int = 50_000_000) -> float:
@@ -215,7 +200,7 @@ def measure_shape(specs: list[str], batch: int, context: int, reps: int, budget:
             for n in threads:
                 set_threads(n)
                 times[s, n].append(_timed(attend, s) / len(layers[s]))
-    return {(s, n): {"attend_s": statistics.median(times[s, n]),
+    return {(s, n): {"attend_s": statistics.median(times[s, n]), "reps_s": times[s, n],
                      "touch_s": statistics.median(times[s, "touch"]),
                      "bytes": layers[s][0].nbytes, "layers": len(layers[s])}
             for s in specs for n in threads}
@@ -293,9 +278,12 @@ def collect(specs: list[str], shapes: list[tuple[int, int]], threads: list[int],
             budget: int) -> dict:
     """The machine's ceilings, then a row per thread count, shape and spec."""
     mib = 512 if budget > 2**20 else 16  # a quick run: a token bandwidth
-    machine = {"read_gb_s": read_bandwidth(mib), "clock_ghz": clock_ghz(), "fma_g_s": fma_peak()}
-    # what the threads get at once, measured: a thread count's "% FMA peak" is of its own peak
+    reads = reads_in_turn(mib, sorted({1, *threads}), reps=3)
+    machine = {"read_gb_s": reads[1], "clock_ghz": clock_ghz(), "fma_g_s": fma_peak()}
+    # What the threads get at once, measured: a thread count's "% FMA peak" and "% read bw" are
+    # of its own peak and bandwidth, which a host's other guests share.
     machine["fma_g_s_threads"] = {str(n): fma_peak(threads=n) for n in threads if n > 1}
+    machine["read_gb_s_threads"] = {str(n): reads[n] for n in threads if n > 1}
     got, cached = {}, {}
     for batch, context in shapes:
         got[batch, context] = measure_shape(specs, batch, context, reps, budget, threads)
@@ -322,14 +310,17 @@ def _row(spec: str, batch: int, context: int, threads: int, got: dict, machine: 
            "ms": 1e3 * t, "touch_ms": 1e3 * g["touch_s"], "x_touch": t / g["touch_s"],
            "gb_s": g["bytes"] / t / 1e9, "cycles_per_key": t * machine["clock_ghz"] * 1e9 / keys,
            "layers": g["layers"]}
-    row["pct_bandwidth"] = 100 * row["gb_s"] / machine["read_gb_s"]
+    read = machine.get("read_gb_s_threads", {}).get(str(threads), machine["read_gb_s"])
+    row["pct_bandwidth"] = 100 * row["gb_s"] / read
     fmas = keys * SHAPE["n_rep"] * SHAPE["head_dim"] * 2  # q . k and p * v, per query head
     peak = machine.get("fma_g_s_threads", {}).get(str(threads), machine["fma_g_s"])
     row["pct_fma_peak"] = 100 * fmas / t / 1e9 / peak
     if ("fp16", threads) in got:
         row["vs_fp16"] = t / got["fp16", threads]["attend_s"]
-    if threads > 1 and (spec, 1) in got:
-        row["speedup"] = got[spec, 1]["attend_s"] / t
+    if threads > 1 and (spec, 1) in got:  # rep by rep: the two were timed one after the other
+        paired = [one / many for one, many in zip(got[spec, 1]["reps_s"], g["reps_s"])]
+        row["speedup"] = statistics.median(paired)
+        row["speedup_range"] = [min(paired), max(paired)]
     return row
 
 
@@ -339,10 +330,14 @@ def render(results: dict) -> str:
     head = ["KV spec", "threads", "batch x ctx", "attend ms", "in cache", "touch ms", "x touch",
             "GB/s",
             "% read bw", "% FMA peak", "vs fp16", "cycles/key/head", "vs 1 thread"]
-    lines = [f"Read bandwidth {m['read_gb_s']:.1f} GB/s, clock {m['clock_ghz']:.2f} GHz, "
-             f"FMA peak {m['fma_g_s']:.0f} GFMA/s (float32, one thread"
-             + "".join(f"; {n} at once: {g:.0f}" for n, g in m.get("fma_g_s_threads", {}).items())
-             + ").", "",
+    def at_once(key: str) -> str:
+        return "".join(f"; {n} at once: {g:.0f}" for n, g in m.get(key, {}).items())
+
+    lines = [f"Read bandwidth {m['read_gb_s']:.1f} GB/s (one thread{at_once('read_gb_s_threads')}"
+             f"), clock {m['clock_ghz']:.2f} GHz, FMA peak {m['fma_g_s']:.0f} GFMA/s (float32, "
+             f"one thread{at_once('fma_g_s_threads')}). Past one thread, % read bw and % FMA "
+             "peak are of that many threads' own; vs 1 thread is the median over reps of the "
+             "paired ratio (its range in brackets).", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results["rows"]:
         name = "KIVI-style" if r["kv"].startswith(KIVI) else r["kv"]
@@ -350,7 +345,7 @@ def render(results: dict) -> str:
                  f"{r['cached_ms']:.3f}", f"{r['touch_ms']:.3f}", f"{r['x_touch']:.2f}",
                  f"{r['gb_s']:.1f}",
                  f"{r['pct_bandwidth']:.0f}%", f"{r['pct_fma_peak']:.1f}%",
-                 _ratio(r.get("vs_fp16")), f"{r['cycles_per_key']:.0f}", _ratio(r.get("speedup"))]
+                 _ratio(r.get("vs_fp16")), f"{r['cycles_per_key']:.0f}", _speedup(r)]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines + _render_fixed(results.get("fixed_us", {})))
 
@@ -378,6 +373,13 @@ def _render_fixed(fixed: dict) -> list[str]:
 
 def _ratio(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}x"
+
+
+def _speedup(row: dict) -> str:
+    """vs 1 thread: the median paired ratio and (where a JSON of this version has it) its range."""
+    low, high = row.get("speedup_range", (None, None))
+    span = f" ({low:.2f}-{high:.2f})" if low is not None else ""
+    return _ratio(row.get("speedup")) + span
 
 
 def chart(results: dict, path: Path) -> str | None:

@@ -90,6 +90,45 @@ def fma_peak(n: int = 20_000_000, threads: int = 1) -> float:
     return 8 * lanes * n * threads / best / 1e9
 
 
+def reads_in_turn(mib: int, threads: list[int], reps: int = 5) -> dict[int, float]:
+    """Thread count -> read bandwidth in GB/s of one pass over `mib` MiB by that many threads at
+    once, each xor-ing its own slice (best of reps; the counts in turn within each rep). Past
+    one thread it is what the memory gives the threads together now, which a host's other
+    guests share: the ceiling a thread count's speedup meets where the reads are what binds."""
+    from ..kernels.cpu_numerics import njit, prange
+
+    @njit
+    def xor_words(words):
+        acc = np.uint64(0)
+        for i in range(words.shape[0]):  # a loop of its own: LLVM vectorizes it (not in prange)
+            acc ^= words[i]
+        return acc
+
+    @njit(parallel=True)
+    def xor_slices(words, out):
+        per = words.shape[0] // out.shape[0]
+        for part in prange(out.shape[0]):  # one slice a thread
+            out[part] = xor_words(words[part * per:part * per + per])
+
+    words = np.ones(mib * 2**20 // 8, np.uint64)
+    before = torch.get_num_threads()
+    best = {}
+    try:
+        for rep in range(reps + 1):  # the first compiles and faults the pages in: untimed
+            for n in threads:
+                set_threads(n)
+                out = np.zeros(n, np.uint64)
+                t0 = time.perf_counter()
+                xor_slices(words, out)
+                took = time.perf_counter() - t0
+                if rep > 0:
+                    best[n] = min(best.get(n, np.inf), took)
+    finally:
+        set_threads(before)
+    read = {n: words.shape[0] // n * n * words.itemsize for n in best}  # whole slices
+    return {n: read[n] / t / 1e9 for n, t in best.items()}
+
+
 def _unread_tables(model: Transformer) -> list[torch.Tensor]:
     """The embedding tables a decode step does not read whole (only its tokens' rows): all of
     them but one the LM head shares."""
