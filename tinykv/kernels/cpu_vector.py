@@ -235,8 +235,7 @@ def vector_kernel(kf: PoolFormat, vf: PoolFormat, R: int, D: int, k_groups: int,
             if blk < 0:  # the block is in another pool
                 continue
             nxt = row[j + AHEAD] if j + AHEAD < hi else -1
-            if nxt >= 0:  # a later block's K and V start coming while this one is read: the
-                # scales now, the codes a row per key of this block (prefetch_row)
+            if nxt >= 0:  # a later block's scales now, its codes a row per key below
                 prefetch_scales(k_scales, k_zeros, kb_stride, kh_stride, nxt, h, k_has_zero)
                 prefetch_scales(v_scales, v_zeros, vb_stride, vh_stride, nxt, h, v_has_zero)
             k_next, v_next = (nxt * H + h) * BS * k_row, (nxt * H + h) * BS * v_row
