@@ -52,6 +52,7 @@ MORE_CASES = [
     ("int4:g32:asym", "int4:g32:asym", 3, 64, 16),
     ("int8:g32", "int2:g32", 2, 96, 32),
     ("int2:g16:asym", "fp16", 1, 128, 16),
+    ("bf16", "fp16", 2, 64, 16),  # bf16 keys, widened as fp16 are
 ]
 
 

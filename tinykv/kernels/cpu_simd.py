@@ -1,14 +1,12 @@
 """LLVM vector values inside numba: the vocabulary the vector attention kernel (cpu_vector.py) is
 written in. numba has no vector type, so `Vec(dtype, lanes)` is one. A Vec of a multiple of 16
-lanes is held as 16-lane pieces (an LLVM array of <16 x dtype>): one 512-bit register for float32
-on AVX-512, two 256-bit ones on AVX2; LLVM lowers long or odd-sized vectors (R = 3 heads of 64
-lanes: 192) lane by lane, pieces it keeps in registers. Smaller Vecs (one lane per head) are one
-LLVM vector.
-
+lanes is held as 16-lane pieces (an LLVM array of <16 x dtype>: one 512-bit register for float32
+on AVX-512, two 256-bit ones on AVX2): as one long vector (R = 3 heads of 64 lanes: 192) LLVM
+would lower it lane by lane. Smaller Vecs (one lane per head) are one LLVM vector.
 Lane counts are compile-time constants (literal ints in the kernel), so each operation is a few
 LLVM instructions with constant shuffle masks. LLVM picks the instructions: `head_dots` on int16
-is vpmaddwd + vpaddd, fused into vpdpwssd only for CPUs LLVM 22 tunes as fast at it (not these
-Xeons, seen as rocketlake, where forcing it by inline assembly measured 0.97-1.03x the time).
+is vpmaddwd + vpaddd, fused into vpdpwssd only for CPUs LLVM 22 tunes as fast at it (not Xeons
+seen as rocketlake, where forcing it by inline assembly measured 0.97-1.03x the time).
 
 The kernel keeps "wide" vectors: R query heads side by side, each a segment of D (or 16) lanes.
 `repeat` copies a key's D lanes once per head; `spread` widens one value per head to its segment.
@@ -18,7 +16,7 @@ from __future__ import annotations
 
 import operator
 
-from .cpu_numerics import cgutils, intrinsic, ir, types
+from .cpu_numerics import BFLOAT, cgutils, intrinsic, ir, types
 
 PIECE = 16  # lanes per piece
 
@@ -219,19 +217,21 @@ def to_float(typingctx, v):
     return Vec(types.float32, v.lanes)(v), codegen
 
 
-@intrinsic
-def half_to_float(typingctx, v):
-    """fp16 bits (uint16 lanes) -> float32, exactly (as cpu_numerics.from_half)."""
+@intrinsic(prefer_literal=True)
+def widen_16(typingctx, v, code):
+    """16-bit float bits (uint16) -> float32, exactly: fp16 as from_half, bf16 (BFLOAT) shifted."""
     def codegen(context, builder, sig, args):
         def convert(p):
             n = p.type.count
             f32, i32 = ir.VectorType(ir.FloatType(), n), ir.VectorType(ir.IntType(32), n)
-            if HAS_F16C:
-                return builder.fpext(builder.bitcast(p, ir.VectorType(ir.HalfType(), n)), f32)
             u = builder.zext(p, i32)
 
             def const(c):
                 return _splat_piece(builder, ir.IntType(32)(c), n)
+            if _literal(sig.args[1]) == BFLOAT:
+                return builder.bitcast(builder.shl(u, const(16)), f32)
+            if HAS_F16C:
+                return builder.fpext(builder.bitcast(p, ir.VectorType(ir.HalfType(), n)), f32)
             sign = builder.shl(builder.and_(u, const(0x8000)), const(16))
             em = builder.shl(builder.and_(u, const(0x7FFF)), const(13))
             bits = builder.or_(sign, em)
@@ -241,7 +241,7 @@ def half_to_float(typingctx, v):
             return builder.select(builder.icmp_unsigned(">=", em, const(0x7C00 << 13)), special,
                                   finite)
         return _map(builder, convert, args[0])
-    return Vec(types.float32, v.lanes)(v), codegen
+    return Vec(types.float32, v.lanes)(v, code), codegen
 
 
 @intrinsic(prefer_literal=True)

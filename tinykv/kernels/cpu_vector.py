@@ -19,11 +19,11 @@ What changes from the plain kernel, per tile of 16 keys of one KV head:
 - A later block's scales (where they change per block) are prefetched when this block starts, its
   codes a row per key this block reads, so the requests are spread over the work.
 
-It takes fp16, int8, int4 and int2 stores (per-token scales, or scales a block shares; per-token
-groups too, keys then dequantized before their dots: cpu_vector_rows), blocks of a multiple of 16
-tokens, and R x D up to 512 (the accumulators fill the register file at 512); other pools go to
-the plain kernel. One kernel is compiled per (K format, V format, R, D, groups): the lane counts
-are compile-time constants.
+It takes fp16, bf16, int8, int4 and int2 stores (per-token scales, or scales a block shares;
+per-token groups too, keys then dequantized before their dots: cpu_vector_rows), blocks of a
+multiple of 16 tokens, and R x D up to 512 (the accumulators fill the register file at 512);
+other pools go to the plain kernel. One kernel is compiled per (K format, V format, R, D,
+groups): the lane counts are compile-time constants.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from functools import cache
 import numpy as np
 
 from .cpu_args import SHARED_SCALES, TOKEN_SCALES, PoolFormat
-from .cpu_numerics import BFLOAT, FAST, HALF, INTEGER, LN2, LOG2E, kernel, njit, prange
+from .cpu_numerics import FAST, INTEGER, LN2, LOG2E, kernel, njit, prange
 from .cpu_simd import (
     WIDE_VECTORS,
     load,
@@ -63,6 +63,7 @@ from .cpu_simd_ops import (
     where_positive,
 )
 from .cpu_vector_rows import (
+    FLOAT_16,
     grouped_keys,
     in_pairs,
     planes,
@@ -85,15 +86,14 @@ AHEAD = 2  # blocks between the one read and the one prefetched: one is too clos
 
 
 def takes(kf: PoolFormat, vf: PoolFormat, R: int, D: int, BS: int, k_groups: int) -> bool:
-    """Whether the vector kernel reads these pools (else the plain kernel does): fp16 or integer
-    codes (16 stored elements a piece), key scales per token or shared by the block, value scales
-    any way, or per token and group (dequantized), D a multiple of 16 (32 for integer keys with
-    one scale a row), blocks a multiple of 16 tokens."""
+    """Whether the vector kernel reads these pools (else the plain kernel does): fp16, bf16 or
+    integer codes (16 stored elements a piece), key scales per token or shared by the block, value
+    scales any way, or per token and group (dequantized), D a multiple of 16 (32 for integer keys
+    with one scale a row), blocks a multiple of 16 tokens."""
     def stored(fmt: PoolFormat) -> bool:
-        if fmt.code == HALF:
-            return True
-        return fmt.code == INTEGER and fmt.scale_code != BFLOAT and D // planes(fmt) % 16 == 0
-    key_ok = kf.code == HALF or (D % 32 == 0 and (kf.scales == SHARED_SCALES or k_groups == 1)) \
+        return fmt.code in FLOAT_16 or (fmt.code == INTEGER and D // planes(fmt) % 16 == 0)
+    key_ok = kf.code in FLOAT_16 or (D % 32 == 0 and (kf.scales == SHARED_SCALES
+                                                      or k_groups == 1)) \
         or (grouped_keys(kf, k_groups) and D % (k_groups * planes(kf)) == 0)  # whole elements
     return stored(kf) and stored(vf) and key_ok and D % 16 == 0 and BS % TILE == 0 \
         and R * D <= 512
@@ -138,7 +138,7 @@ def vector_kernel(kf: PoolFormat, vf: PoolFormat, R: int, D: int, k_groups: int,
     k_row, v_row = D // planes(kf), D // planes(vf)  # stored elements a row
     k_planes, v_planes = planes(kf), planes(vf)
     # bytes a row: fp16 codes 2 bytes an element, integer codes one byte of planes codes
-    k_row_bytes, v_row_bytes = (k_row * (2 if fmt.code == HALF else 1) for fmt in (kf, vf))
+    k_row_bytes, v_row_bytes = (k_row * (2 if fmt.code in FLOAT_16 else 1) for fmt in (kf, vf))
     k_gs, v_gs = D // k_groups, D // v_groups  # channels per scale
 
     @njit(forceinline=True)

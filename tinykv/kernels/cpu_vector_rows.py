@@ -18,14 +18,14 @@ from __future__ import annotations
 import numpy as np
 
 from .cpu_args import SHARED_SCALES, TOKEN_SCALES, PoolFormat
-from .cpu_numerics import HALF, INTEGER, njit
+from .cpu_numerics import BFLOAT, HALF, INTEGER, njit
 from .cpu_simd import (
     code_planes,
-    half_to_float,
     load,
     prefetch_lines,
     to_float,
     to_int16,
+    widen_16,
     word_planes,
 )
 from .cpu_simd_ops import head_dots, pair, repeat, spread
@@ -38,6 +38,9 @@ from .cpu_simd_ops import head_dots, pair, repeat, spread
 LEVEL = 2
 
 
+FLOAT_16 = (HALF, BFLOAT)  # 16-bit float codes (or scales): widen_16 makes them float32 lanes
+
+
 def planes(fmt: PoolFormat) -> int:
     """Codes per stored element (cpu_plain.planes, for Python)."""
     return 8 // fmt.bits if fmt.code == INTEGER else 1
@@ -45,10 +48,10 @@ def planes(fmt: PoolFormat) -> int:
 
 def scale_loader(code: int):
     """load(values, at, n) -> n consecutive scales (or zeros) as float32 lanes."""
-    if code == HALF:
+    if code in FLOAT_16:
         @njit(forceinline=True)
         def scales(values, at, n):
-            return half_to_float(load(values, at, n))
+            return widen_16(load(values, at, n), code)
     else:
         @njit(forceinline=True)
         def scales(values, at, n):
@@ -87,10 +90,12 @@ def _key_reader(fmt: PoolFormat, R: int, D: int, groups: int):
         def key(codes, row, q_all, q_words, scales, zeros, at):
             x = dequantize(float_codes(codes, row), scales, zeros, at)  # (D,) stored order
             return head_dots(x, q_all, R)
-    elif fmt.code == HALF:
+    elif fmt.code in FLOAT_16:
+        code = fmt.code
+
         @njit(forceinline=True)
         def key(codes, row, q_all, q_words, scales, zeros, at):
-            x = half_to_float(load(codes, row * width, D))  # (D,)
+            x = widen_16(load(codes, row * width, D), code)  # (D,)
             return head_dots(x, q_all, R)
     elif fmt.bits == 8:
         @njit(forceinline=True)
@@ -115,10 +120,12 @@ def weights_by_group(fmt: PoolFormat, D: int, groups: int) -> bool:
 def _float_codes(fmt: PoolFormat, D: int):
     """codes_of(codes, row): a row's D codes (fp16: values) as float32 lanes in stored order."""
     width, bits = D // planes(fmt), fmt.bits
-    if fmt.code == HALF:
+    if fmt.code in FLOAT_16:
+        code = fmt.code
+
         @njit(forceinline=True)
         def codes_of(codes, row):
-            return half_to_float(load(codes, row * width, D))
+            return widen_16(load(codes, row * width, D), code)
     elif bits == 8:
         @njit(forceinline=True)
         def codes_of(codes, row):
