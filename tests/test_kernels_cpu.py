@@ -271,6 +271,31 @@ def test_vector_kernel_counts_no_reference_in_its_loops(monkeypatch):
     assert _counts_in_loops(llvm_ir) == []
 
 
+@pytest.mark.parametrize("name,dtype", [("HALF", torch.float16), ("BFLOAT", torch.bfloat16),
+                                        ("FP8", torch.float8_e4m3fn)])
+def test_widen_float_is_torch_for_every_bit_pattern(name, dtype):
+    """The vector kernel's float codes widened to float32 (cpu_vector_rows.widen_float), every
+    bit pattern against torch's own conversion: subnormals, infinities and NaNs included."""
+    from tinykv.kernels import cpu_numerics
+    from tinykv.kernels.cpu_simd import load, store
+    from tinykv.kernels.cpu_vector_rows import widen_float
+
+    code = getattr(cpu_numerics, name)
+    size = torch.finfo(dtype).bits
+    as_bits = {8: torch.uint8, 16: torch.int16}[size]
+    bits = torch.arange(2**size, dtype=torch.int64).to(as_bits)  # every pattern, 16 a vector
+    want = bits.view(dtype).float()
+
+    @cpu_numerics.njit
+    def widen_all(src, out):
+        for i in range(0, src.shape[0], 16):
+            store(out, i, widen_float(load(src, i, 16), code))
+
+    got = np.empty(2**size, np.float32)
+    widen_all(np.ascontiguousarray(bits.numpy().view({8: np.uint8, 16: np.uint16}[size])), got)
+    torch.testing.assert_close(torch.from_numpy(got), want, rtol=0, atol=0, equal_nan=True)
+
+
 def test_two_pools_merge_and_half_queries():
     """cache.attend's pattern: a quantized pool and a full-precision one with complementary tables,
     merged by log-sum-exp, equal the reference over everything; fp16 queries are read as float."""

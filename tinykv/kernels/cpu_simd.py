@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import operator
 
-from .cpu_numerics import BFLOAT, cgutils, intrinsic, ir, types
+from .cpu_numerics import cgutils, intrinsic, ir, types
 
 PIECE = 16  # lanes per piece
 
@@ -215,33 +215,6 @@ def to_float(typingctx, v):
             return builder.sitofp(p, t) if sig.args[0].dtype.signed else builder.uitofp(p, t)
         return _map(builder, convert, args[0])
     return Vec(types.float32, v.lanes)(v), codegen
-
-
-@intrinsic(prefer_literal=True)
-def widen_16(typingctx, v, code):
-    """16-bit float bits (uint16) -> float32, exactly: fp16 as from_half, bf16 (BFLOAT) shifted."""
-    def codegen(context, builder, sig, args):
-        def convert(p):
-            n = p.type.count
-            f32, i32 = ir.VectorType(ir.FloatType(), n), ir.VectorType(ir.IntType(32), n)
-            u = builder.zext(p, i32)
-
-            def const(c):
-                return _splat_piece(builder, ir.IntType(32)(c), n)
-            if _literal(sig.args[1]) == BFLOAT:
-                return builder.bitcast(builder.shl(u, const(16)), f32)
-            if HAS_F16C:
-                return builder.fpext(builder.bitcast(p, ir.VectorType(ir.HalfType(), n)), f32)
-            sign = builder.shl(builder.and_(u, const(0x8000)), const(16))
-            em = builder.shl(builder.and_(u, const(0x7FFF)), const(13))
-            bits = builder.or_(sign, em)
-            finite = builder.fmul(builder.bitcast(bits, f32),
-                                  _splat_piece(builder, ir.FloatType()(2.0**112), n))
-            special = builder.bitcast(builder.or_(bits, const(0x7F800000)), f32)  # inf, nan
-            return builder.select(builder.icmp_unsigned(">=", em, const(0x7C00 << 13)), special,
-                                  finite)
-        return _map(builder, convert, args[0])
-    return Vec(types.float32, v.lanes)(v, code), codegen
 
 
 @intrinsic(prefer_literal=True)

@@ -19,7 +19,7 @@ What changes from the plain kernel, per tile of 16 keys of one KV head:
 - A later block's scales (where they change per block) are prefetched when this block starts, its
   codes a row per key this block reads, so the requests are spread over the work.
 
-It takes fp16, bf16, int8, int4 and int2 stores (per-token scales, or scales a block shares;
+It takes fp16, bf16, fp8, int8, int4 and int2 stores (per-token scales, or scales a block shares;
 per-token groups too, keys then dequantized before their dots: cpu_vector_rows), blocks of a
 multiple of 16 tokens, and R x D up to 512 (the accumulators fill the register file at 512);
 other pools go to the plain kernel. One kernel is compiled per (K format, V format, R, D,
@@ -34,13 +34,7 @@ import numpy as np
 
 from .cpu_args import SHARED_SCALES, TOKEN_SCALES, PoolFormat
 from .cpu_numerics import FAST, INTEGER, LN2, LOG2E, kernel, njit, prange
-from .cpu_simd import (
-    WIDE_VECTORS,
-    load,
-    splat,
-    store,
-    to_float,
-)
+from .cpu_simd import WIDE_VECTORS, load, splat, store, to_float
 from .cpu_simd_ops import (
     BYTES,
     WORDS,
@@ -64,6 +58,8 @@ from .cpu_simd_ops import (
 )
 from .cpu_vector_rows import (
     FLOAT_16,
+    FLOAT_CODES,
+    SCALED,
     grouped_keys,
     in_pairs,
     planes,
@@ -86,13 +82,13 @@ AHEAD = 2  # blocks between the one read and the one prefetched: one is too clos
 
 
 def takes(kf: PoolFormat, vf: PoolFormat, R: int, D: int, BS: int, k_groups: int) -> bool:
-    """Whether the vector kernel reads these pools (else the plain kernel does): fp16, bf16 or
-    integer codes (16 stored elements a piece), key scales per token or shared by the block, value
-    scales any way, or per token and group (dequantized), D a multiple of 16 (32 for integer keys
-    with one scale a row), blocks a multiple of 16 tokens."""
+    """Whether the vector kernel reads these pools (else the plain kernel does): fp16, bf16, fp8
+    or integer codes (16 stored elements a piece), key scales per token or shared by the block,
+    value scales any way, or per token and group (dequantized), D a multiple of 16 (32 for
+    integer keys with one scale a row), blocks a multiple of 16 tokens."""
     def stored(fmt: PoolFormat) -> bool:
-        return fmt.code in FLOAT_16 or (fmt.code == INTEGER and D // planes(fmt) % 16 == 0)
-    key_ok = kf.code in FLOAT_16 or (D % 32 == 0 and (kf.scales == SHARED_SCALES
+        return fmt.code in FLOAT_CODES or (fmt.code == INTEGER and D // planes(fmt) % 16 == 0)
+    key_ok = kf.code in FLOAT_CODES or (D % 32 == 0 and (kf.scales == SHARED_SCALES
                                                       or k_groups == 1)) \
         or (grouped_keys(kf, k_groups) and D % (k_groups * planes(kf)) == 0)  # whole elements
     return stored(kf) and stored(vf) and key_ok and D % 16 == 0 and BS % TILE == 0 \
@@ -117,7 +113,7 @@ def vector_kernel(kf: PoolFormat, vf: PoolFormat, R: int, D: int, k_groups: int,
     cpu_plain.attention_kernel's. by_head: values summed one query head at a time from a tile
     unpacked in L1 (HEAD_BY_HEAD), or all R at once."""
     RD, R16 = R * D, R * TILE  # lanes: R heads x D channels, R heads x 16 keys
-    k_int = kf.code == INTEGER
+    k_int, k_scaled = kf.code == INTEGER, kf.code in SCALED  # fp8: scaled, dots in float32
     k_token, k_shared = kf.scales == TOKEN_SCALES, kf.scales == SHARED_SCALES
     v_shared = vf.scales == SHARED_SCALES
     k_has_zero, k_offset = kf.has_zero, np.float32(kf.offset)
@@ -146,6 +142,8 @@ def vector_kernel(kf: PoolFormat, vf: PoolFormat, R: int, D: int, k_groups: int,
         """A block's shared key scales folded into the query, rounded to int16: (q16, step per
         head, q16 . zero per head), as cpu_plain.fold_scales."""
         s = stored_order(k_scales16(k_scales, at, k_groups), k_planes, k_gs, D, k_order)
+        if not k_int:  # fp8: the float query times the scales, nothing rounded, no zero points
+            return q_base * repeat(s, R), splat(1.0, R), splat(0.0, R)
         if k_has_zero:
             z = stored_order(k_scales16(k_zeros, at, k_groups), k_planes, k_gs, D, k_order)
         else:
@@ -259,7 +257,7 @@ def vector_kernel(kf: PoolFormat, vf: PoolFormat, R: int, D: int, k_groups: int,
                 s_at = blk * kb_stride + h * kh_stride + t0 * kt_stride
                 score = tile_scores(k_codes, first_row + t0, b_all, q_words, k_scales, k_zeros,
                                     s_at, kt_stride)  # (R x 16)
-                if k_int and k_token and not k_grouped:  # scale * (q . code - zero * sum q)
+                if k_scaled and k_token and not k_grouped:  # scale * (q . code - zero * sum q)
                     if k_zero_term:
                         z16 = k_scales16(k_zeros, s_at, TILE) if k_has_zero else \
                             splat(k_offset, TILE)

@@ -18,14 +18,18 @@ from __future__ import annotations
 import numpy as np
 
 from .cpu_args import SHARED_SCALES, TOKEN_SCALES, PoolFormat
-from .cpu_numerics import BFLOAT, HALF, INTEGER, njit
+from .cpu_numerics import BFLOAT, FP8, HALF, INTEGER, intrinsic, ir, njit, types
 from .cpu_simd import (
+    HAS_F16C,
+    Vec,
+    _literal,
+    _map,
+    _splat_piece,
     code_planes,
     load,
     prefetch_lines,
     to_float,
     to_int16,
-    widen_16,
     word_planes,
 )
 from .cpu_simd_ops import head_dots, pair, repeat, spread
@@ -38,7 +42,46 @@ from .cpu_simd_ops import head_dots, pair, repeat, spread
 LEVEL = 2
 
 
-FLOAT_16 = (HALF, BFLOAT)  # 16-bit float codes (or scales): widen_16 makes them float32 lanes
+FLOAT_16 = (HALF, BFLOAT)  # 16-bit float codes (or scales)
+FLOAT_CODES = (HALF, BFLOAT, FP8)  # float codes, widened to float32 lanes (widen_float)
+SCALED = (INTEGER, FP8)  # codes that come with scales
+
+
+@intrinsic(prefer_literal=True)
+def widen_float(typingctx, v, code):
+    """Float codes' bits (uint16 lanes for fp16 and bf16, uint8 for fp8 e4m3fn) -> float32 lanes,
+    exactly, as cpu_numerics.from_half and from_fp8: bf16 is a float32's upper half; fp16 and
+    fp8 below their inf or nan are their sign, exponent and mantissa placed in a float32's fields
+    and scaled by 2^(127 - their bias), which makes their subnormals right too."""
+    def codegen(context, builder, sig, args):
+        def convert(p):
+            n = p.type.count
+            f32, i32 = ir.VectorType(ir.FloatType(), n), ir.VectorType(ir.IntType(32), n)
+            u = builder.zext(p, i32)
+
+            def const(c):
+                return _splat_piece(builder, ir.IntType(32)(c), n)
+            fmt = _literal(sig.args[1])
+            if fmt == BFLOAT:
+                return builder.bitcast(builder.shl(u, const(16)), f32)
+            if fmt == HALF and HAS_F16C:
+                return builder.fpext(builder.bitcast(p, ir.VectorType(ir.HalfType(), n)), f32)
+            top, width, bias = (0x8000, 10, 15) if fmt == HALF else (0x80, 3, 7)
+            shift = 23 - width  # a mantissa's bits up to float32's
+            sign = builder.shl(builder.and_(u, const(top)), const(31 - (top.bit_length() - 1)))
+            em = builder.shl(builder.and_(u, const(top - 1)), const(shift))
+            bits = builder.or_(sign, em)
+            finite = builder.fmul(builder.bitcast(bits, f32),
+                                  _splat_piece(builder, ir.FloatType()(2.0**(127 - bias)), n))
+            if fmt == HALF:  # exponent all ones: inf or nan
+                special = builder.bitcast(builder.or_(bits, const(0x7F800000)), f32)
+                return builder.select(builder.icmp_unsigned(">=", em, const(0x7C00 << shift)),
+                                      special, finite)
+            nan = _splat_piece(builder, ir.FloatType()(float("nan")), n)  # e4m3fn: 0x7F, 0xFF
+            return builder.select(builder.icmp_unsigned("==", em, const(0x7F << shift)), nan,
+                                  finite)
+        return _map(builder, convert, args[0])
+    return Vec(types.float32, v.lanes)(v, code), codegen
 
 
 def planes(fmt: PoolFormat) -> int:
@@ -51,7 +94,7 @@ def scale_loader(code: int):
     if code in FLOAT_16:
         @njit(forceinline=True)
         def scales(values, at, n):
-            return widen_16(load(values, at, n), code)
+            return widen_float(load(values, at, n), code)
     else:
         @njit(forceinline=True)
         def scales(values, at, n):
@@ -60,8 +103,9 @@ def scale_loader(code: int):
 
 
 def grouped_keys(fmt: PoolFormat, groups: int) -> bool:
-    """Whether integer keys have a scale per token and group of channels: read dequantized."""
-    return fmt.code == INTEGER and fmt.scales == TOKEN_SCALES and groups > 1
+    """Whether integer or fp8 keys have a scale per token and group of channels: read
+    dequantized."""
+    return fmt.code in SCALED and fmt.scales == TOKEN_SCALES and groups > 1
 
 
 def in_pairs(fmt: PoolFormat, D: int, groups: int = 1) -> bool:
@@ -90,12 +134,12 @@ def _key_reader(fmt: PoolFormat, R: int, D: int, groups: int):
         def key(codes, row, q_all, q_words, scales, zeros, at):
             x = dequantize(float_codes(codes, row), scales, zeros, at)  # (D,) stored order
             return head_dots(x, q_all, R)
-    elif fmt.code in FLOAT_16:
+    elif fmt.code in FLOAT_CODES:
         code = fmt.code
 
         @njit(forceinline=True)
         def key(codes, row, q_all, q_words, scales, zeros, at):
-            x = widen_16(load(codes, row * width, D), code)  # (D,)
+            x = widen_float(load(codes, row * width, D), code)  # (D,)
             return head_dots(x, q_all, R)
     elif fmt.bits == 8:
         @njit(forceinline=True)
@@ -112,20 +156,20 @@ def _key_reader(fmt: PoolFormat, R: int, D: int, groups: int):
 
 def weights_by_group(fmt: PoolFormat, D: int, groups: int) -> bool:
     """Whether per-token value scales go into the weights (one per head and scale group): integer
-    codes whose groups each fill whole 16-lane pieces of a row in stored order."""
-    return fmt.code == INTEGER and fmt.scales == TOKEN_SCALES \
+    or fp8 codes whose groups each fill whole 16-lane pieces of a row in stored order."""
+    return fmt.code in SCALED and fmt.scales == TOKEN_SCALES \
         and D // groups % (16 * planes(fmt)) == 0
 
 
 def _float_codes(fmt: PoolFormat, D: int):
     """codes_of(codes, row): a row's D codes (fp16: values) as float32 lanes in stored order."""
     width, bits = D // planes(fmt), fmt.bits
-    if fmt.code in FLOAT_16:
+    if fmt.code in FLOAT_CODES:
         code = fmt.code
 
         @njit(forceinline=True)
         def codes_of(codes, row):
-            return widen_16(load(codes, row * width, D), code)
+            return widen_float(load(codes, row * width, D), code)
     elif bits == 8:
         @njit(forceinline=True)
         def codes_of(codes, row):
