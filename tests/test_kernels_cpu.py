@@ -205,6 +205,29 @@ def test_vector_kernel_matches_its_plain_twin(kspec, vspec, n_rep, D, BS, head_b
     torch.testing.assert_close(vec[1], plain[1], atol=TOL, rtol=TOL)
 
 
+def test_vector_kernel_reads_bf16_scales_as_its_plain_twin():
+    """Scales stored as bf16 (compute_scales' scale_dtype) go to the vector kernel too."""
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(NB, 2, 16, 64, generator=gen)  # (NB, H, BS, D)
+    pools = []
+    for spec in ("int4:asym", "int8:g32"):
+        p = QuantParams.parse(spec)
+        s, z = quant.compute_scales(x, p, torch.bfloat16)
+        pools.append(kernels_cpu.PoolLayer(quant.quantize(x, p, s, z)[0], s, z, p))
+    k, v = pools
+    kf, k_arrays = pool_arrays(k, 2, 16, 64)
+    vf, _ = pool_arrays(v, 2, 16, 64)
+    assert takes(kf, vf, 3, 64, 16, 64 // k_arrays[7])
+    q, _, q_pos, table, ctx = make_batch(16, 6, 64, gen)
+    keep = [0, 1, 5, 6]  # the decoding rows
+    args = (q[keep], torch.arange(4), q_pos[keep], k, v, table[[0, 1, 3, 4]], ctx[[0, 1, 3, 4]],
+            0.125)
+    vec = kernels_cpu.CpuKernels(vector=True).attend(*args)
+    plain = kernels_cpu.CpuKernels(vector=False).attend(*args)
+    torch.testing.assert_close(vec[0], plain[0], atol=TOL, rtol=TOL)
+    torch.testing.assert_close(vec[1], plain[1], atol=TOL, rtol=TOL)
+
+
 def test_vector_kernel_takes_the_default_model_formats():
     """The formats the benchmarks time, at the default model's shape, go to the vector kernel."""
     for spec in ("fp16", "int8", "int4", "int4:channel:asym", "int4:g32:asym", "int2:asym",
