@@ -133,7 +133,7 @@ def vector_kernel(kf: PoolFormat, vf: PoolFormat, R: int, D: int, k_groups: int,
     k_scales16, v_scales16 = scale_loader(kf.scale_code), scale_loader(vf.scale_code)
     k_row, v_row = D // planes(kf), D // planes(vf)  # stored elements a row
     k_planes, v_planes = planes(kf), planes(vf)
-    # bytes a row: fp16 codes 2 bytes an element, integer codes one byte of planes codes
+    # bytes a row: fp16 and bf16 codes 2 bytes an element, fp8 one, integer codes a byte of planes
     k_row_bytes, v_row_bytes = (k_row * (2 if fmt.code in FLOAT_16 else 1) for fmt in (kf, vf))
     k_gs, v_gs = D // k_groups, D // v_groups  # channels per scale
 

@@ -68,7 +68,7 @@ def widen_float(typingctx, v, code):
                 return builder.fpext(builder.bitcast(p, ir.VectorType(ir.HalfType(), n)), f32)
             top, width, bias = (0x8000, 10, 15) if fmt == HALF else (0x80, 3, 7)
             shift = 23 - width  # a mantissa's bits up to float32's
-            sign = builder.shl(builder.and_(u, const(top)), const(31 - (top.bit_length() - 1)))
+            sign = builder.shl(builder.and_(u, const(top)), const(32 - top.bit_length()))
             em = builder.shl(builder.and_(u, const(top - 1)), const(shift))
             bits = builder.or_(sign, em)
             finite = builder.fmul(builder.bitcast(bits, f32),
@@ -135,12 +135,11 @@ def _key_reader(fmt: PoolFormat, R: int, D: int, groups: int):
             x = dequantize(float_codes(codes, row), scales, zeros, at)  # (D,) stored order
             return head_dots(x, q_all, R)
     elif fmt.code in FLOAT_CODES:
-        code = fmt.code
+        float_codes = _float_codes(fmt, D)
 
         @njit(forceinline=True)
         def key(codes, row, q_all, q_words, scales, zeros, at):
-            x = widen_float(load(codes, row * width, D), code)  # (D,)
-            return head_dots(x, q_all, R)
+            return head_dots(float_codes(codes, row), q_all, R)
     elif fmt.bits == 8:
         @njit(forceinline=True)
         def key(codes, row, q_all, q_words, scales, zeros, at):
