@@ -182,9 +182,9 @@ def test_groups_within_a_byte_go_to_the_reference():
         assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("head_by_head", [False, True], ids=["heads-together", "head-by-head"])
+@pytest.mark.parametrize("by_chunk", [False, True], ids=["heads-together", "by-chunk"])
 @pytest.mark.parametrize("kspec,vspec,n_rep,D,BS", ATTN_CASES + MORE_CASES)
-def test_vector_kernel_matches_its_plain_twin(kspec, vspec, n_rep, D, BS, head_by_head):
+def test_vector_kernel_matches_its_plain_twin(kspec, vspec, n_rep, D, BS, by_chunk):
     """Where the vector kernel takes the formats (cpu_vector.takes), it computes what the plain
     one does, in another order: both round the query to int16 alike, so only float32 sums differ.
     Both ways of summing values are checked on any CPU (each CPU's default is one of them)."""
@@ -199,7 +199,7 @@ def test_vector_kernel_matches_its_plain_twin(kspec, vspec, n_rep, D, BS, head_b
     vf, _ = pool_arrays(v, H, BS, D)
     if not takes(kf, vf, n_rep, D, BS, D // k_arrays[7]):
         pytest.skip(f"{kspec} / {vspec} at R={n_rep}, D={D}, BS={BS}: the plain kernel only")
-    vec = kernels_cpu.CpuKernels(vector=True, head_by_head=head_by_head).attend(*args)
+    vec = kernels_cpu.CpuKernels(vector=True, by_chunk=by_chunk).attend(*args)
     plain = kernels_cpu.CpuKernels(vector=False).attend(*args)
     torch.testing.assert_close(vec[0], plain[0], atol=TOL, rtol=TOL)
     torch.testing.assert_close(vec[1], plain[1], atol=TOL, rtol=TOL)

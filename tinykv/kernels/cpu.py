@@ -34,7 +34,7 @@ from .cpu_maps import head_map_cpu  # noqa: F401 (a layer's transform)
 from .cpu_numerics import AVAILABLE, REASON, njit, numba, use_threads
 from .cpu_plain import attention_kernel
 from .cpu_store import quantize_store_cpu, store_args, store_rows  # noqa: F401 (the store)
-from .cpu_vector import HEAD_BY_HEAD, takes, vector_kernel
+from .cpu_vector import BY_CHUNK, takes, vector_kernel
 from .layout import PoolLayer, empty_rows
 from .reference import Partial, paged_attention_ref
 
@@ -96,10 +96,10 @@ class CpuKernels:
     STEPS = 4  # a step attends a store pool, a hot pool and staged chunks: tables per step
 
     def __init__(self, vector: bool = True, threads_min_reads: int = THREADS_MIN_READS,
-                 head_by_head: bool = HEAD_BY_HEAD):
+                 by_chunk: bool = BY_CHUNK):
         assert AVAILABLE, REASON
         self.vector = vector  # the vector kernel where it takes the formats (else cpu_plain's)
-        self.head_by_head = head_by_head  # its value sums a query head at a time (cpu_vector)
+        self.by_chunk = by_chunk  # its value sums a chunk of channels at a time (cpu_vector)
         self.threads_min_reads = threads_min_reads  # fewer (key, KV head) reads: one thread
         self._pools: dict[int, tuple] = {}  # id(pool) -> (weakref to pool, format, arrays)
         self._steps: list[_Step] = []
@@ -217,7 +217,7 @@ class CpuKernels:
         if readable(kf, k_group) and readable(vf, v_group):
             R, k_groups, v_groups = Hq // H, D // k_group, D // v_group
             if self.vector and takes(kf, vf, R, D, BS, k_groups):
-                kernels = vector_kernel(kf, vf, R, D, k_groups, v_groups, self.head_by_head)
+                kernels = vector_kernel(kf, vf, R, D, k_groups, v_groups, self.by_chunk)
             else:
                 kernels = attention_kernel(kf, vf)
             call = (*kernels, k_arrays, v_arrays, H, BS)

@@ -218,21 +218,29 @@ def to_float(typingctx, v):
 
 
 @intrinsic(prefer_literal=True)
-def code_planes(typingctx, v, bits):
-    """Packed codes (uint8 lanes) -> int16 lanes, plane by plane: the low `bits` of every byte,
-    then the next, so the lanes follow the query's stored order (cpu_plain)."""
-    b = _literal(bits)
+def plane_lanes(typingctx, arr, start, first, lanes, bits, row_bytes):
+    """Lanes first .. first+lanes-1 of a row of packed codes (row_bytes uint8 from flat element
+    start) as int16, in stored order: lane j * row_bytes + i is field j (`bits` wide, the low
+    first) of byte i, so the lanes follow the query's stored order (cpu_plain). A 16-lane piece
+    is one plane of 16 bytes: a load, a shift and a mask; a chunk of a row reads only its own."""
+    f, n, b, width = (_literal(x) for x in (first, lanes, bits, row_bytes))
+    piece = min(PIECE, width)
+    assert f % piece == 0 and n % piece == 0 and width % piece == 0
 
     def codegen(context, builder, sig, args):
+        data = _data(context, builder, sig.args[0], args[0])
         out = []
-        for j in range(8 // b):
-            for p in _pieces(builder, args[0]):
-                n = p.type.count
-                x = builder.lshr(p, _splat_piece(builder, ir.IntType(8)(j * b), n))
-                x = builder.and_(x, _splat_piece(builder, ir.IntType(8)((1 << b) - 1), n))
-                out.append(builder.zext(x, ir.VectorType(ir.IntType(16), n)))
+        for lane in range(f, f + n, piece):
+            plane, byte = divmod(lane, width)
+            at = builder.gep(data, [builder.add(args[1], ir.IntType(64)(byte))])
+            x = builder.load(builder.bitcast(at, ir.VectorType(ir.IntType(8), piece).as_pointer()),
+                             align=1)
+            if plane:
+                x = builder.lshr(x, _splat_piece(builder, ir.IntType(8)(plane * b), piece))
+            x = builder.and_(x, _splat_piece(builder, ir.IntType(8)((1 << b) - 1), piece))
+            out.append(builder.zext(x, ir.VectorType(ir.IntType(16), piece)))
         return _whole(builder, out)
-    return Vec(types.int16, v.lanes * 8 // b)(v, bits), codegen
+    return Vec(types.int16, n)(arr, start, first, lanes, bits, row_bytes), codegen
 
 
 @intrinsic(prefer_literal=True)

@@ -198,11 +198,11 @@ def to_channel_order(typingctx, v, planes, channels):
 
 
 @intrinsic(prefer_literal=True)
-def spread_loads(typingctx, arr, first, stride, count, planes, group_size, channels):
-    """A key's weight per head and scale group over the head's `channels` lanes (BYTES order):
-    lanes of head r, group g get arr.flat[first + (r * G + g) * stride], G groups of channels."""
-    R, pb, gs, D = (_literal(x) for x in (count, planes, group_size, channels))
-    groups = [_lane_channels(pb, D, BYTES)[i] // gs for i in range(0, D, PIECE)]  # per piece
+def spread_loads(typingctx, arr, first, stride, count, planes, group_size, channels, lane, lanes):
+    """A key's weight per head and group over lanes lane .. lane+lanes-1 of a head's `channels`
+    (BYTES order): those of head r, group g (of G) get arr.flat[first + (r * G + g) * stride]."""
+    R, pb, gs, D, f, n = (_literal(x) for x in (count, planes, group_size, channels, lane, lanes))
+    groups = [_lane_channels(pb, D, BYTES)[i] // gs for i in range(f, f + n, PIECE)]  # per piece
 
     def codegen(context, builder, sig, args):
         data = _data(context, builder, sig.args[0], args[0])
@@ -213,7 +213,8 @@ def spread_loads(typingctx, arr, first, stride, count, planes, group_size, chann
                 at = builder.add(args[1], builder.mul(step, ir.IntType(64)(r * (D // gs) + g)))
                 pieces.append(_splat_piece(builder, builder.load(builder.gep(data, [at])), PIECE))
         return _whole(builder, pieces)
-    return Vec(arr.dtype, R * D)(arr, first, stride, count, planes, group_size, channels), codegen
+    operands = (arr, first, stride, count, planes, group_size, channels, lane, lanes)
+    return Vec(arr.dtype, R * n)(*operands), codegen
 
 
 @intrinsic(prefer_literal=True)
@@ -284,9 +285,8 @@ def fma(typingctx, a, b, c):
     """a * b + c, lane by lane, fused and exactly as written (llvm.fma: never reassociated)."""
     def codegen(context, builder, sig, args):
         def one(x, y, z):
-            fn = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(x.type, [x.type] * 3),
-                f"llvm.fma.v{x.type.count}f32")
+            fnty, name = ir.FunctionType(x.type, [x.type] * 3), f"llvm.fma.v{x.type.count}f32"
+            fn = cgutils.get_or_insert_function(builder.module, fnty, name)
             return builder.call(fn, [x, y, z])
         return _map(builder, one, *args)
     return a(a, b, c), codegen
@@ -332,8 +332,8 @@ def any_above(typingctx, a, b):
     def codegen(context, builder, sig, args):
         hit = None
         for x, y in zip(_pieces(builder, args[0]), _pieces(builder, args[1])):
-            hit = builder.fcmp_ordered(">", x, y) if hit is None else \
-                builder.or_(hit, builder.fcmp_ordered(">", x, y))
+            above = builder.fcmp_ordered(">", x, y)
+            hit = above if hit is None else builder.or_(hit, above)
         bits = builder.bitcast(hit, ir.IntType(hit.type.count))
         return builder.icmp_unsigned("!=", bits, ir.Constant(bits.type, 0))
     return types.boolean(a, b), codegen

@@ -11,11 +11,10 @@ What changes from the plain kernel, per tile of 16 keys of one KV head:
 - Scales, zero points, the softmax (2^x, sums) act on those 16 scores at once. The running
   maximum is only moved when a score passes it by LAZY: most tiles skip the horizontal max and
   the rescaling of every sum. The sums of weights stay one per key lane until the end.
-- Values: each key's codes are widened once to D float lanes (minus the zero point, times the
-  scale where scales are per group or per block), then one multiply-add per 16 lanes and head,
-  the key's weight broadcast from memory, adds them into R x D accumulators. Where those do not
-  fit the registers (AVX2) a tile's rows are unpacked once into L1 and summed a head at a time
-  (`HEAD_BY_HEAD`).
+- Values (cpu_vector_values.py): each key's codes are widened to float lanes (minus the zero
+  point, times the scale where scales are per group or per block), then one multiply-add per 16
+  lanes and head, the key's weight broadcast from memory, adds them into accumulators: all R x D
+  where they fit the registers (AVX-512), else a chunk of channels at a time (`BY_CHUNK`).
 - A later block's scales (where they change per block) are prefetched when this block starts, its
   codes a row per key this block reads, so the requests are spread over the work.
 
@@ -68,9 +67,8 @@ from .cpu_vector_rows import (
     prefetch_scales,
     scale_loader,
     tile_scorer,
-    value_reader,
-    weights_by_group,
 )
+from .cpu_vector_values import chunk_lanes, value_summer, weights_by_group
 
 Q16_MAX = np.float32(32767.0)  # the int16 query's largest code (as cpu_plain)
 TILE = 16  # keys scored together: one lane each in the score vector of a head
@@ -95,23 +93,19 @@ def takes(kf: PoolFormat, vf: PoolFormat, R: int, D: int, BS: int, k_groups: int
         and R * D <= 512
 
 
-# Whether the value sums go one query head at a time: where vectors are 256 bits (AVX2: 16
-# registers of 8 floats), whose registers cannot hold the sums of R heads, R x D lanes (24
-# registers at R = 3, D = 64). Then a tile's value rows are unpacked once into a float32 tile in
-# L1 (16 x D), and each head adds it up in its own D lanes (8 registers), reading the rows back
-# as operands of its multiply-adds. Measured interleaved in one process on a Zen 3 (AVX2), the
-# default model's shape, against all heads at once: fp16 0.82-1.00x the time, int8 0.76-0.93x,
-# int4 0.80-0.95x (each row unpacked per head instead of staged: int4 0.99-1.16x).
-HEAD_BY_HEAD = not WIDE_VECTORS
+# Whether the value sums go a chunk of channels at a time (cpu_vector_values): where vectors are
+# 256 bits (AVX2: 16 registers of 8 floats), whose registers cannot hold the sums of R heads,
+# R x D lanes (24 registers at R = 3, D = 64).
+BY_CHUNK = not WIDE_VECTORS
 
 
 @cache
 def vector_kernel(kf: PoolFormat, vf: PoolFormat, R: int, D: int, k_groups: int, v_groups: int,
-                  by_head: bool = HEAD_BY_HEAD) -> tuple:
+                  by_chunk: bool = BY_CHUNK) -> tuple:
     """(serial, parallel) vector kernels for one pair of formats and shape (R query heads a KV
     head, D channels, scale groups of K and V); the arguments and work items are
-    cpu_plain.attention_kernel's. by_head: values summed one query head at a time from a tile
-    unpacked in L1 (HEAD_BY_HEAD), or all R at once."""
+    cpu_plain.attention_kernel's. by_chunk: values summed a chunk of channels at a time
+    (BY_CHUNK), or all D at once."""
     RD, R16 = R * D, R * TILE  # lanes: R heads x D channels, R heads x 16 keys
     k_int, k_scaled = kf.code == INTEGER, kf.code in SCALED  # fp8: scaled, dots in float32
     k_token, k_shared = kf.scales == TOKEN_SCALES, kf.scales == SHARED_SCALES
@@ -124,7 +118,7 @@ def vector_kernel(kf: PoolFormat, vf: PoolFormat, R: int, D: int, k_groups: int,
     G = v_groups if token_weights else 1  # weights per head and key
     G16, RG16 = G * TILE, R * G * TILE
     w_gs = D // G  # channels a weight covers
-    tile_scores, value = tile_scorer(kf, R, D, k_groups), value_reader(vf, D, v_groups)
+    tile_scores = tile_scorer(kf, R, D, k_groups)
     k_pairs = in_pairs(kf, D, k_groups)
     k_grouped = grouped_keys(kf, k_groups)  # dequantized before the dots, the query as floats
     k_order = WORDS if k_pairs else BYTES  # the order of the query's channels (cpu_simd_ops)
@@ -135,7 +129,21 @@ def vector_kernel(kf: PoolFormat, vf: PoolFormat, R: int, D: int, k_groups: int,
     k_planes, v_planes = planes(kf), planes(vf)
     # bytes a row: fp16 and bf16 codes 2 bytes an element, fp8 one, integer codes a byte of planes
     k_row_bytes, v_row_bytes = (k_row * (2 if fmt.code in FLOAT_16 else 1) for fmt in (kf, vf))
-    k_gs, v_gs = D // k_groups, D // v_groups  # channels per scale
+    k_gs = D // k_groups  # channels per scale
+
+    @njit(forceinline=True)
+    def prefetch_rows(k_codes, v_codes, k_at, v_at, t):
+        """Row t of a later block's K and V codes (from flat elements k_at, v_at) asked for."""
+        prefetch_row(k_codes, k_at, k_row, k_row_bytes, t)
+        prefetch_row(v_codes, v_at, v_row, v_row_bytes, t)
+
+    # buf: a tile's weights (R x G x 16), the value sums (R x D), a tile's value rows or, at the
+    # end, the sums in head order, a block's value scales and zero points (2 x D)
+    SUMS, ROWS = RG16, RG16 + RD
+    SCALES = ROWS + max(TILE, R) * D
+    add_tile, block_scales, rescale, head_sums = value_summer(
+        vf, R, D, v_groups, chunk_lanes(R, D, False) if by_chunk else D, SUMS, ROWS, SCALES,
+        prefetch_rows)
 
     @njit(forceinline=True)
     def fold(q_base, k_scales, k_zeros, at, q_words, q_at):
@@ -153,14 +161,6 @@ def vector_kernel(kf: PoolFormat, vf: PoolFormat, R: int, D: int, k_groups: int,
         q16 = round_int16(q_fold * spread(np.float32(1.0) / step, D))
         bias = segment_sum(to_float(q16) * repeat(z, R), D)
         return key_query(q16, q_words, q_at), step, bias
-
-    @njit(forceinline=True)
-    def block_scales(v_scales, v_zeros, at):
-        """A block's shared value scales and zero points, one per channel (stored order)."""
-        s = stored_order(v_scales16(v_scales, at, v_groups), v_planes, v_gs, D, BYTES)
-        if v_has_zero:
-            return s, stored_order(v_scales16(v_zeros, at, v_groups), v_planes, v_gs, D, BYTES)
-        return s, splat(v_offset, D)
 
     if k_pairs:
         @njit(forceinline=True)
@@ -197,17 +197,10 @@ def vector_kernel(kf: PoolFormat, vf: PoolFormat, R: int, D: int, k_groups: int,
         return j
 
     @njit(forceinline=True)
-    def prefetch_rows(k_codes, v_codes, k_at, v_at, t):
-        """Row t of a later block's K and V codes (from flat elements k_at, v_at) asked for."""
-        prefetch_row(k_codes, k_at, k_row, k_row_bytes, t)
-        prefetch_row(v_codes, v_at, v_row, v_row_bytes, t)
-
-    @njit(forceinline=True)
     def attend_item(q, q_at, sm_scale, row, n_keys, lo, hi, h, H, BS, k, v, buf, q_words, o,
                     o_at, lse, lse_at):
         """cpu_plain._attend_item in vectors: q and o at flat elements q_at, o_at (R x D), lse
-        at lse_at (R,); buf holds a tile's (R x G x 16) weights, the (R x D) value sums, then
-        (by_head) the tile's (16 x D) value rows."""
+        at lse_at (R,); buf as above."""
         k_codes, k_scales, k_zeros, kb_stride, kh_stride, kt_stride = k[:6]
         v_codes, v_scales, v_zeros, vb_stride, vh_stride, vt_stride = v[:6]
         q_all, q_base, q_sum, q_step = query(q, q_at, sm_scale, q_words)
@@ -215,9 +208,8 @@ def vector_kernel(kf: PoolFormat, vf: PoolFormat, R: int, D: int, k_groups: int,
         # Sums of p (and of p * scale * zero, per-token value scales) per head and key lane,
         # added up once at the end: a tile pays a multiply-add, not a horizontal sum.
         l16, z16_acc = splat(0.0, R16), splat(0.0, RG16)
-        store(buf, RG16, splat(0.0, RD))  # the value sums stay in memory between tiles: scoring
+        store(buf, SUMS, splat(0.0, RD))  # the value sums stay in memory between tiles: scoring
         bias = splat(0.0, R)  # a tile has every register, and a tile loads them once
-        v_scale, v_zero = splat(1.0, D), splat(0.0, D)
         if k_shared:  # the first block's key scales folded into the query
             first = next_block(row, lo, hi)
             if first < hi:
@@ -250,7 +242,7 @@ def vector_kernel(kf: PoolFormat, vf: PoolFormat, R: int, D: int, k_groups: int,
                                                row[following] * kb_stride + h * kh_stride,
                                                q_words, q_at)
             if v_shared:
-                v_scale, v_zero = block_scales(v_scales, v_zeros, blk * vb_stride + h * vh_stride)
+                block_scales(buf, v_scales, v_zeros, blk * vb_stride + h * vh_stride)
             first_row = (blk * H + h) * BS
             for t0 in range(0, min(BS, n_keys - j * BS), TILE):
                 nt = min(TILE, n_keys - j * BS - t0)
@@ -271,7 +263,7 @@ def vector_kernel(kf: PoolFormat, vf: PoolFormat, R: int, D: int, k_groups: int,
                     alpha = exp2(m - top)
                     l16 = l16 * spread(alpha, TILE)
                     z16_acc = z16_acc * spread(alpha, G16)
-                    store(buf, RG16, load(buf, RG16, RD) * spread(alpha, D))
+                    rescale(buf, alpha)
                     m = top
                 p = exp2(score - spread(m, TILE))  # (R x 16), each at most 2^LAZY
                 l16 = l16 + p
@@ -286,41 +278,21 @@ def vector_kernel(kf: PoolFormat, vf: PoolFormat, R: int, D: int, k_groups: int,
                     store(buf, 0, w)  # read back a key at a time, a broadcast per head, group
                 else:
                     store(buf, 0, p)
-                if by_head:
-                    for t in range(nt):  # each value row unpacked once, into L1
-                        if nxt >= 0:
-                            prefetch_rows(k_codes, v_codes, k_next, v_next, t0 + t)
-                        store(buf, RG16 + RD + t * D,
-                              value(v_codes, first_row + t0 + t, v_scales, v_zeros,
-                                    v_at + t * vt_stride, v_scale, v_zero))  # (D,)
-                    for r in range(R):
-                        acc = load(buf, RG16 + r * D, D)  # (D,): head r's value sums
-                        for t in range(nt):
-                            acc = acc + spread_loads(buf, r * G16 + t, TILE, 1, v_planes, w_gs,
-                                                     D) * load(buf, RG16 + RD + t * D, D)
-                        store(buf, RG16 + r * D, acc)
-                else:
-                    acc = load(buf, RG16, RD)
-                    for t in range(nt):
-                        if nxt >= 0:
-                            prefetch_rows(k_codes, v_codes, k_next, v_next, t0 + t)
-                        x = value(v_codes, first_row + t0 + t, v_scales, v_zeros,
-                                  v_at + t * vt_stride, v_scale, v_zero)  # (D,)
-                        acc = acc + spread_loads(buf, t, TILE, R, v_planes, w_gs, D) * repeat(x, R)
-                    store(buf, RG16, acc)
+                add_tile(buf, v_codes, first_row + t0, nt, v_scales, v_zeros, v_at, vt_stride,
+                         k_codes, k_next + t0 * k_row if nxt >= 0 else -1, v_next + t0 * v_row)
         l = segment_sum(l16, TILE)
         store(buf, 0, segment_sum(z16_acc, TILE))  # (R x G): p scale zero summed
-        out = (load(buf, RG16, RD) - spread_loads(buf, 0, 1, R, v_planes, w_gs, D)) * \
+        out = (head_sums(buf) - spread_loads(buf, 0, 1, R, v_planes, w_gs, D, 0, D)) * \
             spread(np.float32(1.0) / l, D)
         store(o, o_at, where_positive(spread(l, D), to_channel_order(out, v_planes, D),
                                       splat(0.0, RD)))
         store(lse, lse_at, where_positive(l, (m + log2(l)) * LN2, splat(-np.inf, R)))
 
-    @kernel((kf, vf, R, D, k_groups, v_groups, by_head), fastmath=FAST, error_model="numpy")
+    @kernel((kf, vf, R, D, k_groups, v_groups, by_chunk), fastmath=FAST, error_model="numpy")
     def attend_items(first, last, q, q_seq, q_pos, table, ctx_lens, k, v, H, BS, sm_scale, o,
                      lse):
         n_split, N, Hq, _ = o.shape
-        buf = np.empty(RG16 + RD + TILE * D, np.float32)  # a tile's weights, value sums, rows
+        buf = np.empty(SCALES + 2 * D, np.float32)
         # The query of keys read in pairs, twice: this block's fold and the next block's.
         q_words = np.empty(4 * RD, np.int16)
         for item in range(first, last):
@@ -334,7 +306,7 @@ def vector_kernel(kf: PoolFormat, vf: PoolFormat, R: int, D: int, k_groups: int,
             attend_item(q, (n * Hq + h * R) * D, sm_scale, table[b], n_keys, lo, hi, h, H, BS,
                         k, v, buf, q_words, o, heads * D, lse, heads)
 
-    @kernel((kf, vf, R, D, k_groups, v_groups, by_head), parallel=True,
+    @kernel((kf, vf, R, D, k_groups, v_groups, by_chunk), parallel=True,
             error_model="numpy")
     def attend_parallel(workers, q, q_seq, q_pos, table, ctx_lens, k, v, H, BS, sm_scale, o,
                         lse):

@@ -1,5 +1,5 @@
 """How the vector kernel (cpu_vector.py) reads rows of a pool: 16 keys into a vector of scores
-per query head (`tile_scorer`), a value row into float32 lanes (`value_reader`), scales into
+per query head (`tile_scorer`), a row's codes into float32 lanes (`float_codes`), scales into
 lanes, each returned specialized at compile time to one stored format; and how it asks for a
 later block's rows before it reads them (`prefetch_block`, `prefetch_row`, `prefetch_scales`).
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .cpu_args import SHARED_SCALES, TOKEN_SCALES, PoolFormat
+from .cpu_args import TOKEN_SCALES, PoolFormat
 from .cpu_numerics import BFLOAT, FP8, HALF, INTEGER, intrinsic, ir, njit, types
 from .cpu_simd import (
     HAS_F16C,
@@ -25,8 +25,8 @@ from .cpu_simd import (
     _literal,
     _map,
     _splat_piece,
-    code_planes,
     load,
+    plane_lanes,
     prefetch_lines,
     to_float,
     to_int16,
@@ -128,18 +128,18 @@ def _key_reader(fmt: PoolFormat, R: int, D: int, groups: int):
             x = word_planes(codes, row * width, (row + 1) * width, width, bits)  # (2D,) WORDS
             return head_dots(x, load(q_words, q_at, lanes), R)
     elif grouped_keys(fmt, groups):
-        float_codes, dequantize = _float_codes(fmt, D), _group_dequantizer(fmt, D, groups)
+        codes_of, dequantize = float_codes(fmt, D), group_dequantizer(fmt, D, groups)
 
         @njit(forceinline=True)
         def key(codes, row, q_all, q_words, scales, zeros, at):
-            x = dequantize(float_codes(codes, row), scales, zeros, at)  # (D,) stored order
+            x = dequantize(codes_of(codes, row), scales, zeros, at)  # (D,) stored order
             return head_dots(x, q_all, R)
     elif fmt.code in FLOAT_CODES:
-        float_codes = _float_codes(fmt, D)
+        codes_of = float_codes(fmt, D)
 
         @njit(forceinline=True)
         def key(codes, row, q_all, q_words, scales, zeros, at):
-            return head_dots(float_codes(codes, row), q_all, R)
+            return head_dots(codes_of(codes, row), q_all, R)
     elif fmt.bits == 8:
         @njit(forceinline=True)
         def key(codes, row, q_all, q_words, scales, zeros, at):
@@ -148,39 +148,33 @@ def _key_reader(fmt: PoolFormat, R: int, D: int, groups: int):
     else:
         @njit(forceinline=True)
         def key(codes, row, q_all, q_words, scales, zeros, at):
-            c16 = code_planes(load(codes, row * width, width), bits)  # (D,) stored order
+            c16 = plane_lanes(codes, row * width, 0, D, bits, width)  # (D,) stored order
             return head_dots(c16, q_all, R)
     return key
 
 
-def weights_by_group(fmt: PoolFormat, D: int, groups: int) -> bool:
-    """Whether per-token value scales go into the weights (one per head and scale group): integer
-    or fp8 codes whose groups each fill whole 16-lane pieces of a row in stored order."""
-    return fmt.code in SCALED and fmt.scales == TOKEN_SCALES \
-        and D // groups % (16 * planes(fmt)) == 0
-
-
-def _float_codes(fmt: PoolFormat, D: int):
-    """codes_of(codes, row): a row's D codes (fp16: values) as float32 lanes in stored order."""
-    width, bits = D // planes(fmt), fmt.bits
+def float_codes(fmt: PoolFormat, D: int, first: int = 0, lanes: int = 0):
+    """codes_of(codes, row): lanes first .. first+lanes-1 (all D where lanes is 0) of a row's
+    codes (fp16: values) as float32 lanes in stored order."""
+    width, bits, lanes = D // planes(fmt), fmt.bits, lanes or D
     if fmt.code in FLOAT_CODES:
         code = fmt.code
 
         @njit(forceinline=True)
         def codes_of(codes, row):
-            return widen_float(load(codes, row * width, D), code)
+            return widen_float(load(codes, row * width + first, lanes), code)
     elif bits == 8:
         @njit(forceinline=True)
         def codes_of(codes, row):
-            return to_float(to_int16(load(codes, row * width, width)))
+            return to_float(to_int16(load(codes, row * width + first, lanes)))
     else:
         @njit(forceinline=True)
         def codes_of(codes, row):
-            return to_float(code_planes(load(codes, row * width, width), bits))
+            return to_float(plane_lanes(codes, row * width, first, lanes, bits, width))
     return codes_of
 
 
-def _group_dequantizer(fmt: PoolFormat, D: int, groups: int):
+def group_dequantizer(fmt: PoolFormat, D: int, groups: int):
     """dequantize(x, scales, zeros, at): a row's float codes x (D,) in stored order less their
     group's zero point, times its scale (at: the token's first scale)."""
     n_planes = planes(fmt)
@@ -195,26 +189,6 @@ def _group_dequantizer(fmt: PoolFormat, D: int, groups: int):
             return (x - repeat(spread(load_scales(zeros, at, groups), per), n_planes)) * s
         return (x - offset) * s
     return dequantize
-
-
-def value_reader(fmt: PoolFormat, D: int, groups: int):
-    """value(codes, row, scales, zeros, at, scale, zero): a value row as D float32 lanes in stored
-    order: its codes less zero times scale where scales are per group and not in the weights
-    (at: the token's first scale) or per block (scale, zero: (D,) lanes), the raw codes where
-    the scale goes into the weight (weights_by_group) or is absent (fp16)."""
-    by_group = fmt.scales == TOKEN_SCALES and groups > 1 and not weights_by_group(fmt, D, groups)
-    by_block = fmt.scales == SHARED_SCALES
-    codes_of, dequantize = _float_codes(fmt, D), _group_dequantizer(fmt, D, groups)
-
-    @njit(forceinline=True)
-    def value(codes, row, scales, zeros, at, scale, zero):
-        x = codes_of(codes, row)
-        if by_block:
-            return (x - zero) * scale
-        if not by_group:
-            return x
-        return dequantize(x, scales, zeros, at)
-    return value
 
 
 def tile_scorer(fmt: PoolFormat, R: int, D: int, groups: int):
