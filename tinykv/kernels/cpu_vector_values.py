@@ -88,14 +88,17 @@ def value_summer(fmt: PoolFormat, R: int, D: int, groups: int, C: int, sums_at: 
         whose index is a compile-time constant, so each chunk is its own function."""
         rest = chunk_adder(c + C) if c + C < D else no_more
         read = chunk_reader(c)
-        first = c == 0
+        # The later block's rows are asked for a few per chunk, every n_chunks-th key: all in
+        # one chunk's loop, a tile's requests come too close together and stall it.
+        ask_from = c // C * -(-TILE // n_chunks)  # the first row this chunk asks for
 
         @njit(forceinline=True)
         def add(buf, codes, row, nt, k_codes, k_ahead, v_ahead):
             acc = load(buf, sums_at + c * R, RC)  # (R x C)
             for t in range(nt):
-                if first and k_ahead >= 0:  # a later block's rows asked for, one per key
-                    prefetch_rows(k_codes, codes, k_ahead, v_ahead, t)
+                ask = ask_from + t // n_chunks
+                if k_ahead >= 0 and t % n_chunks == 0 and ask < TILE:
+                    prefetch_rows(k_codes, codes, k_ahead, v_ahead, ask)
                 x = read(codes, row + t, buf, t)  # (C,)
                 acc = acc + spread_loads(buf, t, TILE, R, v_planes, w_gs, D, c, C) * repeat(x, R)
             store(buf, sums_at + c * R, acc)
