@@ -319,6 +319,46 @@ def test_widen_float_is_torch_for_every_bit_pattern(name, dtype):
     torch.testing.assert_close(torch.from_numpy(got), want, rtol=0, atol=0, equal_nan=True)
 
 
+@pytest.mark.parametrize("bits,D", [(4, 64), (2, 64), (4, 128)])
+def test_plane_lanes_reads_any_chunk_of_a_packed_row(bits, D):
+    """cpu_simd.plane_lanes, which the value sums read a chunk of a packed row with: each 16-lane
+    chunk, and the whole row, in stored order (lane j * width + i: field j of byte i), against
+    the channels quant.unpack gives (channel per_byte * i + j)."""
+    from tinykv.kernels import cpu_numerics
+    from tinykv.kernels.cpu_simd import plane_lanes, store, to_float
+
+    per_byte = 8 // bits
+    width = D // per_byte  # bytes a row
+    gen = torch.Generator().manual_seed(bits + D)
+    codes = torch.randint(0, 2**bits, (3, D), generator=gen, dtype=torch.uint8)  # 3 rows
+    stored = quant.pack(codes, per_byte)  # (3, width)
+    lane = torch.arange(D)
+    want = quant.unpack(stored, per_byte)[1, per_byte * (lane % width) + lane // width].float()
+
+    def reader(first, lanes):
+        @cpu_numerics.njit
+        def read(src, row, out):
+            store(out, 0, to_float(plane_lanes(src, row * width, first, lanes, bits, width)))
+        return read
+
+    flat = np.ascontiguousarray(stored.numpy().reshape(-1))
+    for first, lanes in [(c, 16) for c in range(0, D, 16)] + [(0, D)]:
+        got = np.empty(lanes, np.float32)
+        reader(first, lanes)(flat, 1, got)
+        assert torch.equal(torch.from_numpy(got), want[first:first + lanes]), (first, lanes)
+
+
+def test_chunk_lanes_fit_the_registers():
+    """The value sums' chunk: all D where vectors are wide; else a multiple of 16 dividing D, as
+    wide as 16 registers of 8 floats allow (R x C sums at most 96 lanes, their C lanes beside)."""
+    from tinykv.kernels.cpu_vector_values import chunk_lanes
+
+    assert chunk_lanes(3, 64, True) == 64
+    assert [chunk_lanes(R, 64, False) for R in (1, 2, 3, 4, 8)] == [64, 32, 16, 16, 16]
+    assert [chunk_lanes(1, D, False) for D in (80, 96, 128)] == [80, 96, 64]
+    assert chunk_lanes(2, 80, False) == 16
+
+
 def test_two_pools_merge_and_half_queries():
     """cache.attend's pattern: a quantized pool and a full-precision one with complementary tables,
     merged by log-sum-exp, equal the reference over everything; fp16 queries are read as float."""
