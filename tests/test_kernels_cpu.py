@@ -349,14 +349,13 @@ def test_plane_lanes_reads_any_chunk_of_a_packed_row(bits, D):
 
 
 def test_chunk_lanes_fit_the_registers():
-    """The value sums' chunk: all D where vectors are wide; else a multiple of 16 dividing D, as
-    wide as 16 registers of 8 floats allow (R x C sums at most 96 lanes, their C lanes beside)."""
+    """The value sums' chunk where vectors are 256 bits: a multiple of 16 dividing D, as wide as
+    16 registers of 8 floats allow (R x C sums at most 96 lanes, their C lanes beside)."""
     from tinykv.kernels.cpu_vector_values import chunk_lanes
 
-    assert chunk_lanes(3, 64, True) == 64
-    assert [chunk_lanes(R, 64, False) for R in (1, 2, 3, 4, 8)] == [64, 32, 16, 16, 16]
-    assert [chunk_lanes(1, D, False) for D in (80, 96, 128)] == [80, 96, 64]
-    assert chunk_lanes(2, 80, False) == 16
+    assert [chunk_lanes(R, 64) for R in (1, 2, 3, 4, 8)] == [64, 32, 16, 16, 16]
+    assert [chunk_lanes(1, D) for D in (80, 96, 128)] == [80, 96, 64]
+    assert chunk_lanes(2, 80) == 16
 
 
 def test_two_pools_merge_and_half_queries():

@@ -68,10 +68,9 @@ from .cpu_vector_rows import (
     scale_loader,
     tile_scorer,
 )
-from .cpu_vector_values import chunk_lanes, value_summer, weights_by_group
+from .cpu_vector_values import TILE, chunk_lanes, value_summer, weights_by_group
 
 Q16_MAX = np.float32(32767.0)  # the int16 query's largest code (as cpu_plain)
-TILE = 16  # keys scored together: one lane each in the score vector of a head
 # How far a score may pass the running maximum m before the sums are rescaled to a new one:
 # weights 2^(score - m) stay below 2^LAZY (no float32 sum of them overflows), and most tiles
 # skip the rescale (a horizontal max, 2^x and a multiply of every sum) altogether.
@@ -142,7 +141,7 @@ def vector_kernel(kf: PoolFormat, vf: PoolFormat, R: int, D: int, k_groups: int,
     SUMS, ROWS = RG16, RG16 + RD
     SCALES = ROWS + max(TILE, R) * D
     add_tile, block_scales, rescale, head_sums = value_summer(
-        vf, R, D, v_groups, chunk_lanes(R, D, False) if by_chunk else D, SUMS, ROWS, SCALES,
+        vf, R, D, v_groups, chunk_lanes(R, D) if by_chunk else D, SUMS, ROWS, SCALES,
         prefetch_rows)
 
     @njit(forceinline=True)

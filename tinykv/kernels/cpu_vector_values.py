@@ -21,18 +21,16 @@ from .cpu_simd import load, splat, store
 from .cpu_simd_ops import BYTES, repeat, spread, spread_loads, stored_order
 from .cpu_vector_rows import SCALED, float_codes, group_dequantizer, planes, scale_loader
 
-TILE = 16  # keys a tile (as cpu_vector)
+TILE = 16  # keys scored together (cpu_vector): one lane each in the score vector of a head
 # A chunk's accumulators, in 8-float (AVX2) registers, at most 12 of the 16: the rest hold the
 # key's C lanes (where more than one head uses them) and a weight. Fewer than 8 accumulators
 # leave the multiply-adds waiting on each other (a sum takes 4 cycles, and two start a cycle).
 MOST_SUMS, MOST_LANES = 96, 120
 
 
-def chunk_lanes(R: int, D: int, wide: bool) -> int:
-    """Channels a chunk of the value sums: all D where vectors are wide, else the widest multiple
-    of 16 dividing D whose R x C sums and C lanes fit the registers (at least 16)."""
-    if wide:
-        return D
+def chunk_lanes(R: int, D: int) -> int:
+    """Channels a chunk of the value sums where vectors are 256 bits: the widest multiple of 16
+    dividing D whose R x C sums and C lanes fit the registers (at least 16)."""
     fits = [c for c in range(16, D + 1, 16) if D % c == 0 and R * c <= MOST_SUMS
             and (R == 1 or (R + 1) * c <= MOST_LANES)]
     return max(fits, default=16)
