@@ -29,6 +29,7 @@ from test_reference import attention_f64, dense
 
 from tinykv import quant
 from tinykv.kernels import cpu as kernels_cpu
+from tinykv.kernels import cpu_vector
 from tinykv.kernels.cpu_args import pool_arrays
 from tinykv.kernels.cpu_vector import takes
 from tinykv.kernels.reference import merge_partials, paged_attention_ref, quantize_store_ref
@@ -203,6 +204,31 @@ def test_vector_kernel_matches_its_plain_twin(kspec, vspec, n_rep, D, BS, by_chu
     plain = kernels_cpu.CpuKernels(vector=False).attend(*args)
     torch.testing.assert_close(vec[0], plain[0], atol=TOL, rtol=TOL)
     torch.testing.assert_close(vec[1], plain[1], atol=TOL, rtol=TOL)
+
+
+@pytest.mark.parametrize("kspec,vspec", [("int8", "int8"), ("fp16", "bf16"),
+                                         ("int4:channel:asym", "int4:g32:asym"),
+                                         ("int4:asym", "int2:g32")])
+def test_vector_kernel_parts_run_what_they_say(kspec, vspec):
+    """The halves of the work that `bench kernel --cpu --parts` times alone (cpu_vector's parts):
+    the keys alone make the whole kernel's log-sum-exp and no output; the values alone weigh every
+    visible key alike, as float64 attention does for a query of zeros."""
+    gen = torch.Generator().manual_seed(17)
+    H, R, D, BS = 2, 3, 64, 16
+    k, v = make_pool(kspec, H, BS, D, gen), make_pool(vspec, H, BS, D, gen)
+    q, q_seq, q_pos, table, ctx = make_batch(BS, H * R, D, gen)
+    keep = [0, 1, 5, 6]  # the decoding rows (a chunk goes to the reference)
+    rows = (torch.arange(4), q_pos[keep], k, v, table[[0, 1, 3, 4]], ctx[[0, 1, 3, 4]])
+    kf, k_arrays = pool_arrays(k, H, BS, D)
+    assert takes(kf, pool_arrays(v, H, BS, D)[0], R, D, BS, D // k_arrays[7])
+    whole = kernels_cpu.CpuKernels().attend(q[keep], *rows, D**-0.5)
+    keys = kernels_cpu.CpuKernels(parts=cpu_vector.KEYS).attend(q[keep], *rows, D**-0.5)
+    values = kernels_cpu.CpuKernels(parts=cpu_vector.VALUES).attend(q[keep], *rows, D**-0.5)
+    torch.testing.assert_close(keys[1], whole[1], atol=TOL, rtol=TOL)
+    assert not keys[0].any() and whole[0].abs().sum() > 0
+    even = attention_f64(torch.zeros_like(q[keep]), *rows, D**-0.5)  # scores all 0
+    no_bound = torch.zeros(len(keep), H * R)
+    check(values, even, even, (no_bound, no_bound))
 
 
 def test_vector_kernel_reads_bf16_scales_as_its_plain_twin():

@@ -34,7 +34,7 @@ from .cpu_maps import head_map_cpu  # noqa: F401 (a layer's transform)
 from .cpu_numerics import AVAILABLE, REASON, njit, numba, use_threads
 from .cpu_plain import attention_kernel
 from .cpu_store import quantize_store_cpu, store_args, store_rows  # noqa: F401 (the store)
-from .cpu_vector import BY_CHUNK, takes, vector_kernel
+from .cpu_vector import ALL, BY_CHUNK, takes, vector_kernel
 from .layout import PoolLayer, empty_rows
 from .reference import Partial, paged_attention_ref
 
@@ -96,10 +96,10 @@ class CpuKernels:
     STEPS = 4  # a step attends a store pool, a hot pool and staged chunks: tables per step
 
     def __init__(self, vector: bool = True, threads_min_reads: int = THREADS_MIN_READS,
-                 by_chunk: bool = BY_CHUNK):
+                 by_chunk: bool = BY_CHUNK, parts: int = ALL):
         assert AVAILABLE, REASON
         self.vector = vector  # the vector kernel where it takes the formats (else cpu_plain's)
-        self.by_chunk = by_chunk  # its value sums a chunk of channels at a time (cpu_vector)
+        self.variant = (by_chunk, parts)  # cpu_vector.vector_kernel's (parts: ALL but in a bench)
         self.threads_min_reads = threads_min_reads  # fewer (key, KV head) reads: one thread
         self._pools: dict[int, tuple] = {}  # id(pool) -> (weakref to pool, format, arrays)
         self._steps: list[_Step] = []
@@ -217,7 +217,7 @@ class CpuKernels:
         if readable(kf, k_group) and readable(vf, v_group):
             R, k_groups, v_groups = Hq // H, D // k_group, D // v_group
             if self.vector and takes(kf, vf, R, D, BS, k_groups):
-                kernels = vector_kernel(kf, vf, R, D, k_groups, v_groups, self.by_chunk)
+                kernels = vector_kernel(kf, vf, R, D, k_groups, v_groups, *self.variant)
             else:
                 kernels = attention_kernel(kf, vf)
             call = (*kernels, k_arrays, v_arrays, H, BS)

@@ -96,15 +96,21 @@ def takes(kf: PoolFormat, vf: PoolFormat, R: int, D: int, BS: int, k_groups: int
 # 256 bits (AVX2: 16 registers of 8 floats), whose registers cannot hold the sums of R heads,
 # R x D lanes (24 registers at R = 3, D = 64).
 BY_CHUNK = not WIDE_VECTORS
+# The two halves of a tile's work (vector_kernel's `parts`): a cache runs ALL; `bench kernel
+# --cpu --parts` times each alone to show where a call's time goes. Without KEYS every key scores
+# 0 (the weights are even); without VALUES the sums stay 0 (the softmax's sums are still made).
+KEYS, VALUES = 1, 2
+ALL = KEYS | VALUES
 
 
 @cache
 def vector_kernel(kf: PoolFormat, vf: PoolFormat, R: int, D: int, k_groups: int, v_groups: int,
-                  by_chunk: bool = BY_CHUNK) -> tuple:
+                  by_chunk: bool = BY_CHUNK, parts: int = ALL) -> tuple:
     """(serial, parallel) vector kernels for one pair of formats and shape (R query heads a KV
     head, D channels, scale groups of K and V); the arguments and work items are
     cpu_plain.attention_kernel's. by_chunk: values summed a chunk of channels at a time
-    (BY_CHUNK), or all D at once."""
+    (BY_CHUNK), or all D at once. parts: which halves of the work run (ALL, KEYS, VALUES)."""
+    with_keys, with_values = bool(parts & KEYS), bool(parts & VALUES)
     RD, R16 = R * D, R * TILE  # lanes: R heads x D channels, R heads x 16 keys
     k_int, k_scaled = kf.code == INTEGER, kf.code in SCALED  # fp8: scaled, dots in float32
     k_token, k_shared = kf.scales == TOKEN_SCALES, kf.scales == SHARED_SCALES
@@ -189,6 +195,22 @@ def vector_kernel(kf: PoolFormat, vf: PoolFormat, R: int, D: int, k_groups: int,
         return q_base, q_base, splat(0.0, R), splat(1.0, R)
 
     @njit(forceinline=True)
+    def key_scores(k_codes, row, b_all, q_words, k_scales, k_zeros, s_at, kt_stride, q_sum,
+                   b_bias, b_step):
+        """(R x 16) base-2 scores of keys row .. row + 15 (scales from element s_at)."""
+        if not with_keys:
+            return splat(0.0, R16)
+        score = tile_scores(k_codes, row, b_all, q_words, k_scales, k_zeros, s_at, kt_stride)
+        if k_scaled and k_token and not k_grouped:  # scale * (q . code - zero * sum q)
+            if k_zero_term:
+                z16 = k_scales16(k_zeros, s_at, TILE) if k_has_zero else splat(k_offset, TILE)
+                score = score - repeat(z16, R) * spread(q_sum, TILE)
+            score = score * repeat(k_scales16(k_scales, s_at, TILE), R)
+        if k_int:
+            score = (score - spread(b_bias, TILE)) * spread(b_step, TILE)
+        return score
+
+    @njit(forceinline=True)
     def next_block(row, j, hi):
         """The first index from j on (hi where none) whose block is in this pool."""
         while j < hi and row[j] < 0:
@@ -209,7 +231,7 @@ def vector_kernel(kf: PoolFormat, vf: PoolFormat, R: int, D: int, k_groups: int,
         l16, z16_acc = splat(0.0, R16), splat(0.0, RG16)
         store(buf, SUMS, splat(0.0, RD))  # the value sums stay in memory between tiles: scoring
         bias = splat(0.0, R)  # a tile has every register, and a tile loads them once
-        if k_shared:  # the first block's key scales folded into the query
+        if k_shared and with_keys:  # the first block's key scales folded into the query
             first = next_block(row, lo, hi)
             if first < hi:
                 q_all, q_step, bias = fold(q_base, k_scales, k_zeros,
@@ -233,29 +255,21 @@ def vector_kernel(kf: PoolFormat, vf: PoolFormat, R: int, D: int, k_groups: int,
             # query, a reciprocal, rounding, a store the dots read back) that would otherwise
             # stall the block it serves. Static scales were folded once.
             b_all, b_step, b_bias = q_all, q_step, bias  # this block's
-            if k_shared and kb_stride != 0:  # per-token and static scales: nothing to fold
+            if k_shared and kb_stride != 0 and with_keys:  # per-token, static: nothing to fold
                 following = next_block(row, j + 1, hi)
                 if following < hi:
                     q_at = 2 * RD - q_at
                     q_all, q_step, bias = fold(q_base, k_scales, k_zeros,
                                                row[following] * kb_stride + h * kh_stride,
                                                q_words, q_at)
-            if v_shared:
+            if v_shared and with_values:
                 block_scales(buf, v_scales, v_zeros, blk * vb_stride + h * vh_stride)
             first_row = (blk * H + h) * BS
             for t0 in range(0, min(BS, n_keys - j * BS), TILE):
                 nt = min(TILE, n_keys - j * BS - t0)
                 s_at = blk * kb_stride + h * kh_stride + t0 * kt_stride
-                score = tile_scores(k_codes, first_row + t0, b_all, q_words, k_scales, k_zeros,
-                                    s_at, kt_stride)  # (R x 16)
-                if k_scaled and k_token and not k_grouped:  # scale * (q . code - zero * sum q)
-                    if k_zero_term:
-                        z16 = k_scales16(k_zeros, s_at, TILE) if k_has_zero else \
-                            splat(k_offset, TILE)
-                        score = score - repeat(z16, R) * spread(q_sum, TILE)
-                    score = score * repeat(k_scales16(k_scales, s_at, TILE), R)
-                if k_int:
-                    score = (score - spread(b_bias, TILE)) * spread(b_step, TILE)
+                score = key_scores(k_codes, first_row + t0, b_all, q_words, k_scales, k_zeros,
+                                   s_at, kt_stride, q_sum, b_bias, b_step)  # (R x 16)
                 score = first_keys(score, nt, -np.inf)  # keys past the row's end weigh 0
                 if any_above(score, spread(m + LAZY, TILE)):  # rescale the sums to a new max
                     top = vmax(m, segment_max(score, TILE))
@@ -266,6 +280,8 @@ def vector_kernel(kf: PoolFormat, vf: PoolFormat, R: int, D: int, k_groups: int,
                     m = top
                 p = exp2(score - spread(m, TILE))  # (R x 16), each at most 2^LAZY
                 l16 = l16 + p
+                if not with_values:
+                    continue
                 v_at = blk * vb_stride + h * vh_stride + t0 * vt_stride
                 if token_weights:  # sum p (code - zero) scale = sum (p scale) code - ...
                     s_g = to_stored_order(v_scales16(v_scales, v_at, G16), G, G16, BYTES)
@@ -287,7 +303,8 @@ def vector_kernel(kf: PoolFormat, vf: PoolFormat, R: int, D: int, k_groups: int,
                                       splat(0.0, RD)))
         store(lse, lse_at, where_positive(l, (m + log2(l)) * LN2, splat(-np.inf, R)))
 
-    @kernel((kf, vf, R, D, k_groups, v_groups, by_chunk), fastmath=FAST, error_model="numpy")
+    @kernel((kf, vf, R, D, k_groups, v_groups, by_chunk, parts), fastmath=FAST,
+            error_model="numpy")
     def attend_items(first, last, q, q_seq, q_pos, table, ctx_lens, k, v, H, BS, sm_scale, o,
                      lse):
         n_split, N, Hq, _ = o.shape
@@ -305,7 +322,7 @@ def vector_kernel(kf: PoolFormat, vf: PoolFormat, R: int, D: int, k_groups: int,
             attend_item(q, (n * Hq + h * R) * D, sm_scale, table[b], n_keys, lo, hi, h, H, BS,
                         k, v, buf, q_words, o, heads * D, lse, heads)
 
-    @kernel((kf, vf, R, D, k_groups, v_groups, by_chunk), parallel=True,
+    @kernel((kf, vf, R, D, k_groups, v_groups, by_chunk, parts), parallel=True,
             error_model="numpy")
     def attend_parallel(workers, q, q_seq, q_pos, table, ctx_lens, k, v, H, BS, sm_scale, o,
                         lse):
