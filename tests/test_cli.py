@@ -308,6 +308,8 @@ PARSE_ERRORS = [
     ("ppl-lengths", ["eval", "--text", "{text}", "--lengths", "100"], "--task passkey"),
     ("stage-blocks-alone", ["run.py", "w1", "--stage-blocks", "4"], "--host-blocks"),
     ("kernel-aot-and-kv", ["bench", "kernel", "--aot", "--kv", "int4"], "--aot"),
+    ("kernel-parts-without-cpu", ["bench", "kernel", "--parts", "--out", "{out}"],
+     "--parts go with --cpu"),
     ("quality-no-ppl-text", ["bench", "quality", "--no-ppl", "--text", "{text}"], "--no-ppl"),
     ("readme-and-quick", ["bench", "--readme", "{empty_json}", "--quick"], "--readme"),
     ("peers-no-speed-contexts", ["bench", "peers", "--no-speed", "--contexts", "100"],
@@ -705,11 +707,18 @@ def test_bench_kernel_block_larger_than_a_context(tmp_path: Path, block_size: st
 
 
 def test_bench_cpu_kernel_prints_its_ceilings_and_fixed_costs(tmp_path: Path) -> None:
-    """bench kernel --cpu --quick: each row beside its touch ceiling, and the fixed costs per
-    call in a loop and right after a layer's worth of reads (cold), in the JSON and printed."""
+    """bench kernel --cpu --quick --parts: each row beside its touch ceiling, the fixed costs per
+    call in a loop and right after a layer's worth of reads (cold), and where a call's time goes,
+    in the JSON and printed."""
     work, _ = prepare(tmp_path)
-    r = run_cli(["bench", "kernel", "--cpu", "--quick", "--kv", "int8", "--out", "k.json"], work)
+    r = run_cli(["bench", "kernel", "--cpu", "--quick", "--kv", "int8", "--parts", "--out",
+                 "k.json"], work)
     assert r.returncode == 0, r.stderr
+    parts = json.loads((work / "k.json").read_text())["parts"]
+    assert [(row["kv"], row["batch"], row["context"]) for row in parts] == \
+        [("int8", 1, 256), ("int8", 2, 128)]
+    assert all(row["whole_ms"] > 0 and row["rest_ms"] > 0 for row in parts)
+    assert "Where a call's time goes" in r.stdout
     results = json.loads((work / "k.json").read_text())
     assert {(row["batch"], row["context"]) for row in results["rows"]} == {(1, 256), (2, 128)}
     assert all(row["touch_ms"] > 0 and row["ms"] > 0 for row in results["rows"])

@@ -163,6 +163,16 @@ def _clone(t: torch.Tensor | None) -> torch.Tensor | None:
 
 # ---- the measurement ------------------------------------------------------------------------
 
+def decode_queries(batch: int, context: int) -> tuple:
+    """(q, q_seq, q_pos, ctx_lens) of one decode step: a query per row, each at its last
+    position."""
+    H, R, D = SHAPE["kv_heads"], SHAPE["n_rep"], SHAPE["head_dim"]
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(batch, H * R, D, generator=gen)  # (B, Hq, D)
+    ctx_lens = torch.full((batch,), context, dtype=torch.int32)
+    return q, torch.arange(batch), torch.full((batch,), context - 1), ctx_lens
+
+
 def measure_shape(specs: list[str], batch: int, context: int, reps: int, budget: int,
                   threads: tuple[int, ...] | list[int] = (1,)) -> dict:
     """(spec, thread count) -> median per-call seconds of attention, and of the (one-thread)
@@ -170,12 +180,8 @@ def measure_shape(specs: list[str], batch: int, context: int, reps: int, budget:
     machine falls on all of them alike and their ratios hold."""
     from ..kernels.cpu import CpuKernels
 
-    H, R, D = SHAPE["kv_heads"], SHAPE["n_rep"], SHAPE["head_dim"]
-    gen = torch.Generator().manual_seed(7)
-    q = torch.randn(batch, H * R, D, generator=gen)  # (B, Hq, D)
-    q_seq = torch.arange(batch)
-    q_pos = torch.full((batch,), context - 1)
-    ctx_lens = torch.full((batch,), context, dtype=torch.int32)
+    D = SHAPE["head_dim"]
+    q, q_seq, q_pos, ctx_lens = decode_queries(batch, context)
     lens = ctx_lens.numpy().astype(np.int64)
     kernels = {s: CpuKernels() for s in specs}
     layers = {s: _layers(KVSpec.parse(s), batch, context, budget) for s in specs}
@@ -408,8 +414,11 @@ def budget_bytes(quick: bool) -> int:
 
 def run(specs: list[str] | None = None, shapes: list[tuple[int, int]] | None = None,
         threads: list[int] | None = None, quick: bool = False,
-        out: str | Path | None = "bench/attention-cpu.json") -> dict:
-    """Measure, print the table, save the JSON (written beside, then renamed); restores threads."""
+        out: str | Path | None = "bench/attention-cpu.json", parts: bool = False) -> dict:
+    """Measure, print the table, save the JSON (written beside, then renamed); restores threads.
+    parts: then where each call's time goes (bench/parts.py), printed and saved as "parts"."""
+    from . import parts as time_parts  # it imports this module
+
     if not AVAILABLE:
         raise RuntimeError(REASON)
     mode = MODES["quick" if quick else "full"]
@@ -419,9 +428,15 @@ def run(specs: list[str] | None = None, shapes: list[tuple[int, int]] | None = N
     try:
         res = collect(specs or SPECS, shapes or mode["shapes"], threads or [1], mode["reps"],
                       budget)
+        if parts:
+            set_threads(1)
+            res["parts"] = time_parts.collect(specs or SPECS, shapes or mode["shapes"],
+                                              mode["reps"], res["machine"]["clock_ghz"])
     finally:
         set_threads(before)
     print(render(res))
+    if parts:
+        print("\n" + time_parts.render(res["parts"], KIVI))
     if out is not None:
         write_text(out, json.dumps(res, indent=1), make_folders=True)
         png = chart(res, out.with_suffix(".png"))

@@ -61,6 +61,8 @@ def cmd_bench_kernel(args) -> None:
     given = {dest for _, dest, _ in given_flags(args)}
     if args.cpu:
         return cmd_bench_cpu_kernel(args, given)
+    if given & {"thread_counts", "parts"}:
+        raise UsageError("bench kernel: --threads and --parts go with --cpu")
     if args.aot:
         kernel.aot_report(out=args.out if "out" in given else None)
         return
@@ -73,11 +75,12 @@ def cmd_bench_kernel(args) -> None:
 
 
 def cmd_bench_cpu_kernel(args, given: set[str]) -> None:
-    """bench kernel --cpu: bench/attention.py at the default model's shape, one layer call."""
+    """bench kernel --cpu: bench/attention.py at the default model's shape, one layer call (and
+    with --parts, bench/parts.py)."""
     from ..bench import attention
 
     if "aot" in given or "block_size" in given or "reps" in given:
-        raise UsageError("bench kernel --cpu takes --kv, --quick, --threads and --out")
+        raise UsageError("bench kernel --cpu takes --kv, --quick, --threads, --parts and --out")
     for spec in args.kv or []:
         spec.k.check(attention.SHAPE["head_dim"])
         spec.v.check(attention.SHAPE["head_dim"])
@@ -87,7 +90,7 @@ def cmd_bench_cpu_kernel(args, given: set[str]) -> None:
         derived["the JSON"] = out
     check_io(args, derived)
     specs = [str(s) for s in args.kv] if args.kv else None
-    attention.run(specs, threads=args.thread_counts, quick=args.quick, out=out)
+    attention.run(specs, threads=args.thread_counts, quick=args.quick, out=out, parts=args.parts)
 
 
 def cmd_bench_roofline(args) -> None:

@@ -243,6 +243,9 @@ def add_kernel_parser(bsub: argparse._SubParsersAction) -> None:
                         "bandwidth, FMA peak); --out defaults to bench/attention-cpu.json")
     k.add_argument("--threads", dest="thread_counts", type=int_range(1, usable_cores()),
                    nargs="+", default=[1], metavar="N", help="with --cpu: thread counts")
+    k.add_argument("--parts", action="store_true",
+                   help="with --cpu: also where a call's time goes (keys, values, the rest), "
+                        "each part timed alone with K/V in cache")
     k.set_defaults(prog=k.prog)
 
 
