@@ -230,7 +230,7 @@ def test_kernel_bench_pools_of_one_block():
     from tinykv.bench import attention
     from tinykv.spec import KVSpec
 
-    layers = attention._layers(KVSpec.parse("int4"), 1, 16, budget=1)
+    layers = attention.pseudo_layers(KVSpec.parse("int4"), 1, 16, budget=1)
     assert len(layers) == 1
     codes, scales = 3 * 16 * 32, 3 * 16 * 2  # (H, BS, D / 2) bytes, (H, BS, 1) fp16 scales
     assert layers[0].nbytes == codes * 2 + scales * 2

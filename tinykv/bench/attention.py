@@ -62,7 +62,7 @@ def _chain(n, x):
 def clock_ghz(n: int = 50_000_000) -> float:
     """The core's clock: 2 cycles an iteration of `_chain` (best of 3)."""
     _chain(10, np.uint64(1))
-    return 2 * n / min(_timed(_chain, n, np.uint64(12345)) for _ in range(3)) / 1e9
+    return 2 * n / min(timed(_chain, n, np.uint64(12345)) for _ in range(3)) / 1e9
 
 
 def last_level_cache() -> int:
@@ -75,7 +75,8 @@ def last_level_cache() -> int:
     return max(sizes, default=64 * 2**20)
 
 
-def _timed(fn, *args) -> float:
+def timed(fn, *args) -> float:
+    """Seconds fn(*args) takes, once."""
     t0 = time.perf_counter()
     fn(*args)
     return time.perf_counter() - t0
@@ -136,7 +137,7 @@ class Layer:
         _touch(self.table.numpy(), ctx_lens, SHAPE["block_size"], *self.words)
 
 
-def _layers(spec: KVSpec, batch: int, context: int, budget: int) -> list[Layer]:
+def pseudo_layers(spec: KVSpec, batch: int, context: int, budget: int) -> list[Layer]:
     """Pseudo-layers of one spec and shape, enough to hold `budget` bytes: one made, the rest
     copies of it with their own shuffled tables (their bytes at other addresses)."""
     gen = torch.Generator().manual_seed(batch * context)
@@ -184,7 +185,7 @@ def measure_shape(specs: list[str], batch: int, context: int, reps: int, budget:
     q, q_seq, q_pos, ctx_lens = decode_queries(batch, context)
     lens = ctx_lens.numpy().astype(np.int64)
     kernels = {s: CpuKernels() for s in specs}
-    layers = {s: _layers(KVSpec.parse(s), batch, context, budget) for s in specs}
+    layers = {s: pseudo_layers(KVSpec.parse(s), batch, context, budget) for s in specs}
 
     def attend(spec: str) -> None:
         for x in layers[spec]:
@@ -202,10 +203,10 @@ def measure_shape(specs: list[str], batch: int, context: int, reps: int, budget:
             touch(s)
     for _ in range(reps):
         for s in specs:
-            times[s, "touch"].append(_timed(touch, s) / len(layers[s]))
+            times[s, "touch"].append(timed(touch, s) / len(layers[s]))
             for n in threads:
                 set_threads(n)
-                times[s, n].append(_timed(attend, s) / len(layers[s]))
+                times[s, n].append(timed(attend, s) / len(layers[s]))
     return {(s, n): {"attend_s": statistics.median(times[s, n]), "reps_s": times[s, n],
                      "touch_s": statistics.median(times[s, "touch"]),
                      "bytes": layers[s][0].nbytes, "layers": len(layers[s])}

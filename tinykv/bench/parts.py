@@ -22,7 +22,7 @@ import statistics
 import torch
 
 from ..spec import KVSpec
-from .attention import SHAPE, _layers, _timed, decode_queries, make_pool
+from .attention import SHAPE, decode_queries, make_pool, pseudo_layers, timed
 
 
 def _variants() -> dict[str, int]:
@@ -50,7 +50,7 @@ def measure(specs: list[str], batch: int, context: int, reps: int) -> dict:
 
     D = SHAPE["head_dim"]
     q, q_seq, q_pos, ctx_lens = decode_queries(batch, context)
-    layer = {s: _layers(KVSpec.parse(s), batch, context, 1)[0] for s in specs}
+    layer = {s: pseudo_layers(KVSpec.parse(s), batch, context, 1)[0] for s in specs}
     kernels = {(s, name): CpuKernels(parts=parts) for s in specs
                for name, parts in _variants().items()}
 
@@ -63,7 +63,7 @@ def measure(specs: list[str], batch: int, context: int, reps: int) -> dict:
     times = {key: [] for key in kernels}
     for _ in range(reps):
         for key in kernels:
-            times[key].append(_timed(attend, key))
+            times[key].append(timed(attend, key))
     return {key: statistics.median(t) for key, t in times.items()}
 
 
