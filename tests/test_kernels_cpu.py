@@ -54,6 +54,10 @@ MORE_CASES = [
     ("int8:g32", "int2:g32", 2, 96, 32),
     ("int2:g16:asym", "fp16", 1, 128, 16),
     ("bf16", "fp16", 2, 64, 16),  # bf16 keys, widened as fp16 are
+    # float32 pools (hot pools and skipped layers of a float32 model), beside quantized ones
+    ("fp32", "int4:g32:asym", 3, 64, 16),
+    ("int8", "fp32", 2, 96, 32),
+    ("fp32", "fp32", 4, 128, 16),
 ]
 
 
@@ -257,7 +261,7 @@ def test_vector_kernel_reads_bf16_scales_as_its_plain_twin():
 def test_vector_kernel_takes_the_default_model_formats():
     """The formats the benchmarks time, at the default model's shape, go to the vector kernel."""
     for spec in ("fp16", "int8", "int4", "int4:channel:asym", "int4:g32:asym", "int2:asym",
-                 "int2:g32", "int2:g64"):
+                 "int2:g32", "int2:g64", "fp32"):  # fp32: hot pools at the model's dtype
         pool = make_pool(spec, 3, 16, 64, torch.Generator().manual_seed(0))
         fmt, arrays = pool_arrays(pool, 3, 16, 64)
         assert takes(fmt, fmt, 3, 64, 16, 64 // arrays[7]), spec

@@ -18,11 +18,12 @@ What changes from the plain kernel, per tile of 16 keys of one KV head:
 - A later block's scales (where they change per block) are prefetched when this block starts, its
   codes a row per key this block reads, so the requests are spread over the work.
 
-It takes fp16, bf16, fp8, int8, int4 and int2 stores (per-token scales, or scales a block shares;
-per-token groups too, keys then dequantized before their dots: cpu_vector_rows), blocks of a
-multiple of 16 tokens, and R x D up to 512 (the accumulators fill the register file at 512);
-other pools go to the plain kernel. One kernel is compiled per (K format, V format, R, D,
-groups): the lane counts are compile-time constants.
+It takes float32 (hot pools and skipped layers at a float32 model's dtype), fp16, bf16, fp8,
+int8, int4 and int2 stores (per-token scales, or scales a block shares; per-token groups too,
+keys then dequantized before their dots: cpu_vector_rows), blocks of a multiple of 16 tokens,
+and R x D up to 512 (the accumulators fill the register file at 512); other pools go to the
+plain kernel. One kernel is compiled per (K format, V format, R, D, groups): the lane counts are
+compile-time constants.
 """
 
 from __future__ import annotations
@@ -56,7 +57,6 @@ from .cpu_simd_ops import (
     where_positive,
 )
 from .cpu_vector_rows import (
-    FLOAT_16,
     FLOAT_CODES,
     SCALED,
     grouped_keys,
@@ -65,6 +65,7 @@ from .cpu_vector_rows import (
     prefetch_block,
     prefetch_row,
     prefetch_scales,
+    row_bytes,
     scale_loader,
     tile_scorer,
 )
@@ -81,10 +82,10 @@ AHEAD = 4
 
 
 def takes(kf: PoolFormat, vf: PoolFormat, R: int, D: int, BS: int, k_groups: int) -> bool:
-    """Whether the vector kernel reads these pools (else the plain kernel does): fp16, bf16, fp8
-    or integer codes (16 stored elements a piece), key scales per token or shared by the block,
-    value scales any way, or per token and group (dequantized), D a multiple of 16 (32 for
-    integer keys with one scale a row), blocks a multiple of 16 tokens."""
+    """Whether the vector kernel reads these pools (else the plain kernel does): float32, fp16,
+    bf16, fp8 or integer codes (16 stored elements a piece), key scales per token or shared by
+    the block, value scales any way, or per token and group (dequantized), D a multiple of 16
+    (32 for integer keys with one scale a row), blocks a multiple of 16 tokens."""
     def stored(fmt: PoolFormat) -> bool:
         return fmt.code in FLOAT_CODES or (fmt.code == INTEGER and D // planes(fmt) % 16 == 0)
     key_ok = kf.code in FLOAT_CODES or (D % 32 == 0 and (kf.scales == SHARED_SCALES
@@ -134,8 +135,7 @@ def vector_kernel(kf: PoolFormat, vf: PoolFormat, R: int, D: int, k_groups: int,
     k_scales16, v_scales16 = scale_loader(kf.scale_code), scale_loader(vf.scale_code)
     k_row, v_row = D // planes(kf), D // planes(vf)  # stored elements a row
     k_planes, v_planes = planes(kf), planes(vf)
-    # bytes a row: fp16 and bf16 codes 2 bytes an element, fp8 one, integer codes a byte of planes
-    k_row_bytes, v_row_bytes = (k_row * (2 if fmt.code in FLOAT_16 else 1) for fmt in (kf, vf))
+    k_row_bytes, v_row_bytes = row_bytes(kf, D), row_bytes(vf, D)
     k_gs = D // k_groups  # channels per scale
 
     @njit(forceinline=True)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from .cpu_args import TOKEN_SCALES, PoolFormat
-from .cpu_numerics import BFLOAT, FP8, HALF, INTEGER, intrinsic, ir, njit, types
+from .cpu_numerics import BFLOAT, FLOAT32, FP8, HALF, INTEGER, intrinsic, ir, njit, types
 from .cpu_simd import (
     HAS_F16C,
     Vec,
@@ -43,7 +43,7 @@ LEVEL = 2
 
 
 FLOAT_16 = (HALF, BFLOAT)  # 16-bit float codes (or scales)
-FLOAT_CODES = (HALF, BFLOAT, FP8)  # float codes, widened to float32 lanes (widen_float)
+FLOAT_CODES = (FLOAT32, HALF, BFLOAT, FP8)  # float codes, as float32 lanes (widen_float)
 SCALED = (INTEGER, FP8)  # codes that come with scales
 
 
@@ -52,8 +52,12 @@ def widen_float(typingctx, v, code):
     """Float codes' bits (uint16 lanes for fp16 and bf16, uint8 for fp8 e4m3fn) -> float32 lanes,
     exactly, as cpu_numerics.from_half and from_fp8: bf16 is a float32's upper half; fp16 and
     fp8 below their inf or nan are their sign, exponent and mantissa placed in a float32's fields
-    and scaled by 2^(127 - their bias), which makes their subnormals right too."""
+    and scaled by 2^(127 - their bias), which makes their subnormals right too. float32 codes
+    (a pool at a float32 model's dtype) are already float32 lanes."""
     def codegen(context, builder, sig, args):
+        if _literal(sig.args[1]) == FLOAT32:
+            return args[0]
+
         def convert(p):
             n = p.type.count
             f32, i32 = ir.VectorType(ir.FloatType(), n), ir.VectorType(ir.IntType(32), n)
@@ -87,6 +91,12 @@ def widen_float(typingctx, v, code):
 def planes(fmt: PoolFormat) -> int:
     """Codes per stored element (cpu_plain.planes, for Python)."""
     return 8 // fmt.bits if fmt.code == INTEGER else 1
+
+
+def row_bytes(fmt: PoolFormat, D: int) -> int:
+    """Bytes a stored row of D channels: float32 codes 4 an element, fp16 and bf16 2, fp8 and
+    integer codes 1 (a byte of planes)."""
+    return D // planes(fmt) * {FLOAT32: 4, HALF: 2, BFLOAT: 2}.get(fmt.code, 1)
 
 
 def scale_loader(code: int):
