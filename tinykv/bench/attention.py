@@ -415,11 +415,11 @@ def budget_bytes(quick: bool) -> int:
 
 def run(specs: list[str] | None = None, shapes: list[tuple[int, int]] | None = None,
         threads: list[int] | None = None, quick: bool = False,
-        out: str | Path | None = "bench/attention-cpu.json", parts: bool = False) -> dict:
+        out: str | Path | None = "bench/attention-cpu.json", parts=None) -> dict:
     """Measure, print the table, save the JSON (written beside, then renamed); restores threads.
-    parts: then where each call's time goes (bench/parts.py), printed and saved as "parts"."""
-    from . import parts as time_parts  # it imports this module
-
+    parts: None, or parts(specs, shapes, reps, clock GHz) -> (rows, table), run next on one
+    thread, its table printed and its rows saved as "parts" (bench/parts.py's `where_time_goes`,
+    which imports this module)."""
     if not AVAILABLE:
         raise RuntimeError(REASON)
     mode = MODES["quick" if quick else "full"]
@@ -429,15 +429,15 @@ def run(specs: list[str] | None = None, shapes: list[tuple[int, int]] | None = N
     try:
         res = collect(specs or SPECS, shapes or mode["shapes"], threads or [1], mode["reps"],
                       budget)
-        if parts:
+        if parts is not None:
             set_threads(1)
-            res["parts"] = time_parts.collect(specs or SPECS, shapes or mode["shapes"],
+            res["parts"], parts_table = parts(specs or SPECS, shapes or mode["shapes"],
                                               mode["reps"], res["machine"]["clock_ghz"])
     finally:
         set_threads(before)
     print(render(res))
-    if parts:
-        print("\n" + time_parts.render(res["parts"], KIVI))
+    if parts is not None:
+        print("\n" + parts_table)
     if out is not None:
         write_text(out, json.dumps(res, indent=1), make_folders=True)
         png = chart(res, out.with_suffix(".png"))

@@ -22,7 +22,7 @@ import statistics
 import torch
 
 from ..spec import KVSpec
-from .attention import SHAPE, decode_queries, make_pool, pseudo_layers, timed
+from .attention import KIVI, SHAPE, decode_queries, make_pool, pseudo_layers, timed
 
 
 def _variants() -> dict[str, int]:
@@ -99,3 +99,10 @@ def render(rows: list[dict], kivi: str) -> str:
         cells = [f"{r[p + '_ms']:.3f} ({r[p + '_cycles']:.0f})" for p in parts]
         lines.append(f"| `{name}` | {r['batch']}x{r['context']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def where_time_goes(specs: list[str], shapes: list[tuple[int, int]], reps: int,
+                    clock_ghz: float) -> tuple[list, str]:
+    """(rows, table): what bench/attention.run's `parts` asks for."""
+    rows = collect(specs, shapes, reps, clock_ghz)
+    return rows, render(rows, KIVI)

@@ -77,7 +77,7 @@ def cmd_bench_kernel(args) -> None:
 def cmd_bench_cpu_kernel(args, given: set[str]) -> None:
     """bench kernel --cpu: bench/attention.py at the default model's shape, one layer call (and
     with --parts, bench/parts.py)."""
-    from ..bench import attention
+    from ..bench import attention, parts
 
     if "aot" in given or "block_size" in given or "reps" in given:
         raise UsageError("bench kernel --cpu takes --kv, --quick, --threads, --parts and --out")
@@ -90,7 +90,8 @@ def cmd_bench_cpu_kernel(args, given: set[str]) -> None:
         derived["the JSON"] = out
     check_io(args, derived)
     specs = [str(s) for s in args.kv] if args.kv else None
-    attention.run(specs, threads=args.thread_counts, quick=args.quick, out=out, parts=args.parts)
+    attention.run(specs, threads=args.thread_counts, quick=args.quick, out=out,
+                  parts=parts.where_time_goes if args.parts else None)
 
 
 def cmd_bench_roofline(args) -> None:
