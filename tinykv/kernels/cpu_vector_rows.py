@@ -42,7 +42,6 @@ from .cpu_simd_ops import head_dots, pair, repeat, spread
 LEVEL = 2
 
 
-FLOAT_16 = (HALF, BFLOAT)  # 16-bit float codes (or scales)
 FLOAT_CODES = (FLOAT32, HALF, BFLOAT, FP8)  # float codes, as float32 lanes (widen_float)
 SCALED = (INTEGER, FP8)  # codes that come with scales
 
@@ -100,15 +99,11 @@ def row_bytes(fmt: PoolFormat, D: int) -> int:
 
 
 def scale_loader(code: int):
-    """load(values, at, n) -> n consecutive scales (or zeros) as float32 lanes."""
-    if code in FLOAT_16:
-        @njit(forceinline=True)
-        def scales(values, at, n):
-            return widen_float(load(values, at, n), code)
-    else:
-        @njit(forceinline=True)
-        def scales(values, at, n):
-            return load(values, at, n) * np.float32(1.0)
+    """load(values, at, n) -> n consecutive scales (or zeros), stored as float32, fp16 or bf16
+    (code), as float32 lanes."""
+    @njit(forceinline=True)
+    def scales(values, at, n):
+        return widen_float(load(values, at, n), code)
     return scales
 
 
