@@ -13,6 +13,7 @@ from hf_tiny import make_hf_model
 
 from tinykv.bench import ceilings
 from tinykv.bench import roofline as rl
+from tinykv.bench import roofline_report as report
 from tinykv.bench.common import time_in_turn
 from tinykv.cache import make_cache
 from tinykv.model import Transformer
@@ -45,7 +46,7 @@ def results(tiny, tmp_path_factory):
     return res, out
 
 
-@pytest.mark.parametrize("spec", ["int8", rl.KIVI])
+@pytest.mark.parametrize("spec", ["int8", report.KIVI])
 def test_fill_puts_context_slots(tiny, spec):
     """Every sequence holds `context` slots of the synthetic keys, quantized where the spec says
     (KIVI: through the hot pool, quantized block by block at commit)."""
@@ -136,19 +137,21 @@ def test_json_and_bytes(results, tiny):
                 assert "parts_ms" not in r
         engines = {(r["engine"], r["kv"]) for r in run["decode"]}
         assert {("tinykv", s) for s in specs} | {("transformers", "default")} <= engines
-        names = [name for name, _, _ in rl.RATIOS]
+        names = [name for name, _, _ in report.RATIOS]
         for r in run["ratios"]:
             assert set(names[:4]) <= set(r) and all(r[n] > 0 for n in names if n in r)
+            # the bytes' ratio beside tinykv's pairs only: transformers' bytes are its own count
+            assert {f"{n} bytes" for n in names[:3]} <= set(r) and "fp16/hf bytes" not in r
         assert [(r["batch"], r["context"]) for r in run["ratios"]] == TINY["shapes"]
 
 
 def test_render(results):
     res, _ = results
-    md = rl.render(res)
+    md = report.render(res)
     assert md.startswith("## Roofline")
     for text in ("Read bandwidth", "% bandwidth", "% roofline", "int4/fp16", "| 3x64",
                  "linear / attention / store / rest ms", "FMA peak",
-                 "linear GFMA/s (% FMA peak)"):
+                 "linear GFMA/s (% FMA peak)", "(bytes ", report.BYTES_NOTE):
         assert text in md
     assert md.count("### ") == len(THREADS)
 
@@ -205,11 +208,24 @@ def test_evicting_specs_are_timed_against_the_full_cache():
     rows = [{"engine": "tinykv", "kv": kv, "batch": 1, "context": 8000, "tok_s": t}
             for kv, t in [("int8", 10.0), ("int8,sink=4,evict=streaming:1024", 30.0),
                           ("fp16,evict=knorm:64", 5.0)]]
-    (row,) = rl.ratios(rows)
+    (row,) = report.ratios(rows)
     assert row["int8,sink=4,evict=streaming:1024 / int8"] == 3.0
     assert not any(k.startswith("fp16,evict") for k in row)  # its full cache was not timed
-    assert rl.unevicted("int4:rot,residual=64,sink=4,evict=h2o:99") == "int4:rot,residual=64"
-    assert rl.unevicted("int8") is None
+    assert report.unevicted("int4:rot,residual=64,sink=4,evict=h2o:99") == "int4:rot,residual=64"
+    assert report.unevicted("int8") is None
+
+
+def test_ratios_give_the_bytes_ratio_beside_the_speed_ratio():
+    # 500 MB of weights; fp16's KV 200 MB a step, int4's 50: int4 reads 700 / 550 fewer bytes
+    rows = [{"engine": "tinykv", "kv": kv, "batch": 1, "context": 8000, "tok_s": t,
+             "weight_bytes": 500e6, "kv_bytes": kv_mb * 1e6}
+            for kv, t, kv_mb in [("fp16", 20.0, 200), ("int4", 24.0, 50)]]
+    (row,) = report.ratios(rows)
+    assert row["int4/fp16"] == pytest.approx(1.2)
+    assert row["int4/fp16 bytes"] == pytest.approx(700 / 550)
+    assert "int8/fp16" not in row and "int8/fp16 bytes" not in row  # int8 was not timed
+    assert report._ratio(row, "int4/fp16") == "1.20x (bytes 1.27x)"
+    assert report._ratio(row, "int8/fp16") == "-"
 
 
 def test_decode_steps_taken_in_turn():

@@ -16,7 +16,6 @@ depend on what the cached values are, and a 32k-token prefill takes minutes per 
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import inspect
 import json
@@ -35,7 +34,7 @@ from ..cache import PagedKVCache, make_cache
 from ..model import Config, Transformer
 from ..outputs import write_text
 from ..scalefile import load_scales
-from ..spec import KVSpec, SpecError
+from ..spec import KVSpec
 from . import attention
 from .ceilings import (
     fma_peak,
@@ -46,8 +45,9 @@ from .ceilings import (
     weight_bytes,
 )
 from .charts import roofline_charts
-from .common import machine_info, md_table, time_in_turn
-from .e2e import DEFAULT_SPECS, HF_QUANT, KIVI
+from .common import machine_info, time_in_turn
+from .e2e import DEFAULT_SPECS, HF_QUANT
+from .roofline_report import PARTS, chart_label, ratios, render
 
 MODES = {
     "full": dict(bw_mib=512, bw_reps=5, contexts=[1024, 4096, 8192], attn_reps=7,
@@ -57,14 +57,7 @@ MODES = {
                   shapes=[(1, 512), (4, 256)], steps=2, quick_kernel=True),
 }
 FILL_CHUNK = 512  # tokens per synthetic fill step: what the cache's hot pool is sized for
-# tok/s ratios reported per shape: (name, numerator (engine, kv), denominator (engine, kv))
-RATIOS = [("int8/fp16", ("tinykv", "int8"), ("tinykv", "fp16")),
-          ("int4/fp16", ("tinykv", "int4"), ("tinykv", "fp16")),
-          ("KIVI/fp16", ("tinykv", KIVI), ("tinykv", "fp16")),
-          ("fp16/hf", ("tinykv", "fp16"), ("transformers", "default")),
-          ("int4/hf-int4", ("tinykv", "int4"), ("transformers", "quanto-int4"))]
 Tick = Callable[[str], None]
-PARTS = ["linear", "attention", "store", "rest"]  # a decode step's breakdown
 
 
 def _progress(what: str) -> None:
@@ -258,33 +251,6 @@ def decode_hf(hf, batch: int, context: int, steps: int, quantized: bool) -> tupl
     return (*time_in_turn({"hf": step}, {"hf": held}, steps)["hf"], None)
 
 
-def ratios(rows: list[dict]) -> list[dict]:
-    """Per shape, the tok/s ratios of RATIOS whose two engines were measured."""
-    out = []
-    for batch, context in dict.fromkeys((r["batch"], r["context"]) for r in rows):
-        speed = {(r["engine"], r["kv"]): r["tok_s"] for r in rows
-                 if (r["batch"], r["context"]) == (batch, context)}
-        row = {"batch": batch, "context": context}
-        for name, num, den in RATIOS:
-            if num in speed and den in speed:
-                row[name] = speed[num] / speed[den]
-        for (engine, kv), tok_s in speed.items():
-            base = unevicted(kv) if engine == "tinykv" else None
-            if base is not None and ("tinykv", base) in speed:
-                row[f"{kv} / {base}"] = tok_s / speed[("tinykv", base)]
-        out.append(row)
-    return out
-
-
-def unevicted(kv: str) -> str | None:
-    """The spec an evicting spec is timed against: itself without evict= and its sinks (which
-    only eviction needs); None for a spec that does not evict."""
-    spec = KVSpec.parse(kv)
-    if not spec.evict:
-        return None
-    return str(dataclasses.replace(spec, evict="", budget=0, sink=0))
-
-
 def kernel_table(specs: list[str], mode: dict, threads: int, tick: Tick) -> dict | None:
     """One layer call of the CPU attention kernel per spec and decode shape, beside the machine's
     ceilings and the touch of its exact layout (attention.py); None without numba."""
@@ -341,66 +307,6 @@ def collect(model: Transformer, hf, mode: dict, specs: list[str], threads: list[
                             "kernel": kernel, "attention": attn,
                             "decode": decode, "ratios": ratios(decode)})
     return out
-
-
-def _parts(row: dict) -> str:
-    """A step's breakdown as 'linear / attention / store / rest' ms, '-' where not measured."""
-    parts = row.get("parts_ms")
-    return " / ".join(f"{parts[k]:.3g}" for k in PARTS) if parts else "-"
-
-
-def _linear_rate(row: dict) -> str:
-    """The linear layers' 'GFMA/s (% of the FMA peak)', '-' where not measured."""
-    if "linear_gfma_s" not in row:
-        return "-"
-    return f"{row['linear_gfma_s']:.3g} ({row['linear_pct_fma_peak']:.3g}%)"
-
-
-def render(results: dict) -> str:
-    """The README section: per thread count, the bandwidth line and the attention, roofline and
-    ratio tables."""
-    out = ["## Roofline", "", f"`{results.get('command', 'bench roofline')}`; weights read per "
-           f"step: {results['weight_bytes'] / 1e6:.0f} MB.", ""]
-    for run in results["runs"]:
-        bw = run["bandwidth"]
-        out += [f"### {run['threads']} thread(s)", "",
-                f"Read bandwidth {bw['gb_s']:.1f} GB/s, the best of torch's GEMV "
-                f"{bw['gemv_gb_s']:.1f}, tinykv's {bw.get('tinykv_gemv_gb_s', 0):.1f} and a sum "
-                f"{bw['sum_gb_s']:.1f}, over {bw['bytes'] / 2**20:.0f} MiB; FMA peak "
-                f"{run.get('fma_peak_gfma_s', 0):.0f} GFMA/s (float32, a loop per thread).", ""]
-        if run.get("kernel"):
-            out += ["One layer call of the CPU attention kernel beside the touch of its exact "
-                    "layout (bench/attention.py).", "", attention.render(run["kernel"]), ""]
-        attn = [[f"`{r['kv']}`", r["context"], f"{r['kv_bytes'] / 1e6:.3g}", f"{r['ms']:.3g}",
-                 f"{r['gb_s']:.3g}", f"{r['pct_bandwidth']:.3g}%"] for r in run["attention"]]
-        out += md_table(["KV spec", "context", "KV MB", "attend ms", "GB/s", "% bandwidth"], attn)
-        dec = [[f"{r['engine']} `{r['kv']}`", f"{r['batch']}x{r['context']}",
-                f"{r['kv_bytes'] / 1e6:.3g}", f"{r['ms']:.3g}", f"{r['tok_s']:.3g}",
-                f"{r['pct_roofline']:.3g}%", _parts(r), _linear_rate(r)] for r in run["decode"]]
-        out += [""] + md_table(["engine / KV", "batch x ctx", "KV MB/step", "step ms", "tok/s",
-                                "% roofline", "linear / attention / store / rest ms",
-                                "linear GFMA/s (% FMA peak)"], dec)
-        names = [name for name, _, _ in RATIOS]
-        names += [k for k in dict.fromkeys(k for r in run["ratios"] for k in r)
-                  if k not in names and k not in ("batch", "context")]
-        rat = []
-        for r in run["ratios"]:
-            cells = [f"{r[k]:.2f}x" if k in r else "-" for k in names]
-            rat.append([f"{r['batch']}x{r['context']}"] + cells)
-        out += [""] + md_table(["batch x ctx"] + names, rat) + [""]
-    return "\n".join(out)
-
-
-def chart_label(kv: str) -> str:
-    """A spec as the charts name it: KIVI-style by name, a spec with parts per layer by their
-    count (its whole string is in the tables and the JSON)."""
-    if kv == KIVI:
-        return "KIVI"
-    try:
-        parts = KVSpec.parse(kv).per_layer
-    except SpecError:  # a peer's cache (transformers' default, quanto's)
-        return kv
-    return f"per-layer spec ({len(parts)} parts)" if parts else kv
 
 
 def run(model: Transformer, weights: Path | None, quick: bool = False,
