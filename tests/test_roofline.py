@@ -153,6 +153,8 @@ def test_render(results):
                  "linear / attention / store / rest ms", "FMA peak",
                  "linear GFMA/s (% FMA peak)", "(bytes ", report.BYTES_NOTE):
         assert text in md
+    if res["runs"][0].get("kernel"):  # the kernel table says what its kernels were built for
+        assert f"kernels for {res['runs'][0]['kernel']['machine']['kernels']}." in md
     assert md.count("### ") == len(THREADS)
 
 
@@ -306,3 +308,25 @@ def test_reads_in_turn_measures_each_thread_count_and_restores_it():
     assert sorted(got) == [1, 2]
     assert all(gb_s > 0 for gb_s in got.values())  # what a busy host gives 2 is not asserted
     assert torch.get_num_threads() == before
+
+
+@pytest.mark.parametrize("cpu, expected", [(None, "numba target host"),
+                                           ("haswell", "256-bit vectors or narrower; numba "
+                                                       "target haswell")])
+def test_results_say_what_the_cpu_kernels_were_built_for(cpu, expected):
+    """The machine record names the vector width and numba's target, read in a fresh process
+    (both are fixed when the kernels' modules load)."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NUMBA_CPU_")}
+    if cpu:
+        env.update(NUMBA_CPU_NAME=cpu, NUMBA_CPU_FEATURES="")
+    code = "from tinykv.bench.common import cpu_target; print(cpu_target())"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True).stdout.strip()
+    assert out.endswith(expected)
+    if not cpu:
+        from tinykv.kernels.cpu_simd import WIDE_VECTORS
+        assert out.startswith("512-bit") == WIDE_VECTORS
+

@@ -29,7 +29,20 @@ def machine_info(device: torch.device) -> dict:
             "date": time.strftime("%Y-%m-%d %H:%M"),
             "load_avg": os.getloadavg() if hasattr(os, "getloadavg") else None,
             "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-            "transformers": transformers}
+            "transformers": transformers, "cpu_kernels": cpu_target()}
+
+
+def cpu_target() -> str:
+    """What the CPU kernels compile for: their vector width and numba's target CPU (the host's
+    unless NUMBA_CPU_NAME names another, as the AVX2 test pass does)."""
+    try:
+        from numba import config
+
+        from ..kernels.cpu_simd import HAS_F16C, WIDE_VECTORS
+    except ImportError:
+        return "none (numba is not installed)"
+    width = "512-bit vectors (AVX-512)" if WIDE_VECTORS else "256-bit vectors or narrower"
+    return f"{width}{', F16C' if HAS_F16C else ''}; numba target {config.CPU_NAME or 'host'}"
 
 
 def md_table(head: list[str], rows: list[list], right: int = 1) -> list[str]:
