@@ -154,7 +154,7 @@ def test_render(results):
                  "linear GFMA/s (% FMA peak)", "(bytes ", report.BYTES_NOTE):
         assert text in md
     if res["runs"][0].get("kernel"):  # the kernel table says what its kernels were built for
-        assert f"kernels for {res['runs'][0]['kernel']['machine']['kernels']}." in md
+        assert f"kernels for {res['runs'][0]['kernel']['machine']['cpu_kernels']}." in md
     assert md.count("### ") == len(THREADS)
 
 

@@ -288,7 +288,7 @@ def collect(specs: list[str], shapes: list[tuple[int, int]], threads: list[int],
     mib = 512 if budget > 2**20 else 16  # a quick run: a token bandwidth
     reads = reads_in_turn(mib, sorted({1, *threads}), reps=3)
     machine = {"read_gb_s": reads[1], "clock_ghz": clock_ghz(), "fma_g_s": fma_peak(),
-               "kernels": cpu_target()}
+               "cpu_kernels": cpu_target()}
     # What the threads get at once, measured: a thread count's "% FMA peak" and "% read bw" are
     # of its own peak and bandwidth, which a host's other guests share.
     machine["fma_g_s_threads"] = {str(n): fma_peak(threads=n) for n in threads if n > 1}
@@ -344,7 +344,7 @@ def render(results: dict) -> str:
 
     lines = [f"Read bandwidth {m['read_gb_s']:.1f} GB/s (one thread{at_once('read_gb_s_threads')}"
              f"), clock {m['clock_ghz']:.2f} GHz, FMA peak {m['fma_g_s']:.0f} GFMA/s (float32, "
-             f"one thread{at_once('fma_g_s_threads')}); kernels for {m.get('kernels', '?')}. "
+             f"one thread{at_once('fma_g_s_threads')}); kernels for {m.get('cpu_kernels', '?')}. "
              "Past one thread, % read bw and % FMA "
              "peak are of that many threads' own; vs 1 thread is the median over reps of the "
              "paired ratio (its range in brackets).", "",
