@@ -345,9 +345,8 @@ def render(results: dict) -> str:
     lines = [f"Read bandwidth {m['read_gb_s']:.1f} GB/s (one thread{at_once('read_gb_s_threads')}"
              f"), clock {m['clock_ghz']:.2f} GHz, FMA peak {m['fma_g_s']:.0f} GFMA/s (float32, "
              f"one thread{at_once('fma_g_s_threads')}); kernels for {m.get('cpu_kernels', '?')}. "
-             "Past one thread, % read bw and % FMA "
-             "peak are of that many threads' own; vs 1 thread is the median over reps of the "
-             "paired ratio (its range in brackets).", "",
+             "Past one thread, % read bw and % FMA peak are of that many threads' own; vs 1 "
+             "thread is the median over reps of the paired ratio (its range in brackets).", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results["rows"]:
         name = "KIVI-style" if r["kv"].startswith(KIVI) else r["kv"]

@@ -17,11 +17,12 @@ RATIOS = [("int8/fp16", ("tinykv", "int8"), ("tinykv", "fp16")),
           ("KIVI/fp16", ("tinykv", KIVI), ("tinykv", "fp16")),
           ("fp16/hf", ("tinykv", "fp16"), ("transformers", "default")),
           ("int4/hf-int4", ("tinykv", "int4"), ("transformers", "quanto-int4"))]
+BYTES = " bytes"  # a ratio's name + this: the ratio the two steps' bytes allow
 
 
 def ratios(rows: list[dict]) -> list[dict]:
     """Per shape, the tok/s ratios of RATIOS whose two engines were measured; beside each of two
-    tinykv specs, "<name> bytes": the inverse ratio of the bytes a step reads (weights and KV),
+    tinykv specs, name + BYTES: the inverse ratio of the bytes a step reads (weights and KV),
     the tok/s ratio the two would have at the same share of their rooflines."""
     out = []
     for batch, context in dict.fromkeys((r["batch"], r["context"]) for r in rows):
@@ -34,7 +35,7 @@ def ratios(rows: list[dict]) -> list[dict]:
                 row[name] = speed[num] / speed[den]
             if num in here and den in here and num[0] == den[0] == "tinykv":
                 step_bytes = [here[k]["weight_bytes"] + here[k]["kv_bytes"] for k in (den, num)]
-                row[f"{name} bytes"] = step_bytes[0] / step_bytes[1]
+                row[name + BYTES] = step_bytes[0] / step_bytes[1]
         for (engine, kv), tok_s in speed.items():
             base = unevicted(kv) if engine == "tinykv" else None
             if base is not None and ("tinykv", base) in speed:
@@ -73,7 +74,7 @@ def _ratio(row: dict, name: str) -> str:
     """A ratio cell: '1.22x', with the bytes' ratio beside it where there is one."""
     if name not in row:
         return "-"
-    by_bytes = row.get(f"{name} bytes")
+    by_bytes = row.get(name + BYTES)
     return f"{row[name]:.2f}x" + (f" (bytes {by_bytes:.2f}x)" if by_bytes else "")
 
 
@@ -103,7 +104,8 @@ def render(results: dict) -> str:
                                 "linear GFMA/s (% FMA peak)"], dec)
         names = [name for name, _, _ in RATIOS]
         names += [k for k in dict.fromkeys(k for r in run["ratios"] for k in r)
-                  if k not in names and k not in ("batch", "context") and k[:-6] not in names]
+                  if k not in names and k not in ("batch", "context")
+                  and k.removesuffix(BYTES) not in names]  # those go in their ratio's cell
         rat = [[f"{r['batch']}x{r['context']}"] + [_ratio(r, k) for k in names]
                for r in run["ratios"]]
         out += [""] + md_table(["batch x ctx"] + names, rat) + ["", BYTES_NOTE, ""]
