@@ -314,6 +314,7 @@ PARSE_ERRORS = [
     ("readme-and-quick", ["bench", "--readme", "{empty_json}", "--quick"], "--readme"),
     ("peers-no-speed-contexts", ["bench", "peers", "--no-speed", "--contexts", "100"],
      "--no-speed"),
+    ("peers-packed-weights", ["bench", "peers", "--packed-weights"], "--packed-weights"),
 ]
 
 # Found before the model loads (every case names --weights, so none could fetch).
@@ -558,6 +559,19 @@ def test_prompt_words_are_one_prompt(files: dict[str, str], tmp_path: Path) -> N
     out = generate_json(["w1", "w2", "w3", "--device-blocks", "1"], files, work)
     assert len(out["results"]) == 1 and out["prompt_ids"] == [1, 2, 3]
     assert len(out["new_ids"]) == 4 and out["stats"]["blocks_total"] == 1
+
+
+def test_packed_weights_say_how_many_were_packed(files: dict[str, str], tmp_path: Path) -> None:
+    """--packed-weights on a model of trained (random) float32 weights: none packs, the run says
+    so and decodes the same tokens as without the flag."""
+    work, _ = prepare(tmp_path)
+    args = ["run.py", "w1", "w2", "--weights", "{tiny}", "--json", "--device", "cpu",
+            "--temperature", "0", *GEN]
+    plain = run_cli(fill(args, files, work), work)
+    packed = run_cli(fill([*args, "--packed-weights"], files, work), work)
+    assert packed.returncode == 0 and "Traceback" not in packed.stderr, packed.stderr
+    assert "[tinykv] packed weights: 0 of" in packed.stderr
+    assert json.loads(packed.stdout)["new_ids"] == json.loads(plain.stdout)["new_ids"]
 
 
 def test_prompt_file_is_one_prompt(files: dict[str, str], tmp_path: Path) -> None:

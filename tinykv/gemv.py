@@ -37,7 +37,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .gemv_tiles import tiles_block
+from . import packed
+from .gemv_tiles import EIGHT_ROWS, _eight_rows, tiles_block
 from .kernels.cpu_numerics import exp, kernel, use_threads
 from .kernels.cpu_simd import HAS_F16C, WIDE_VECTORS
 from .kernels.layout import CACHE_LINE, empty_rows
@@ -64,8 +65,9 @@ except ImportError:  # no numba: every product goes to torch
     def njit(*_a, **_kw):
         return intrinsic
 
-ROWS = 8  # output rows per block: per pass over x, 8 weight streams and 8 vector accumulators
-# in the eight-row loop (4: slower, bench profile's linear alone)
+# output rows per block: per pass over x, 8 weight streams and 8 vector accumulators in the
+# eight-row loop (4: slower, bench profile's linear alone)
+ROWS = EIGHT_ROWS
 SMALL_BATCH = 8  # activation rows up to which the GEMV beats torch's matmul (bench profile)
 TILE_BATCH = 64  # the same for float32 weights, read in tiles (gemv_tiles.py)
 # Up to this many activation rows (and for half weights, always) the sliced loop (_sliced): the
@@ -86,58 +88,11 @@ SLICED_MAX_ROWS = 4 if WIDE_VECTORS else 8
 # sliced loop at 2 to 8 (above).
 TILE_MAX_ROWS = TILE_BATCH if WIDE_VECTORS else 8
 # Weight dtype -> the numpy type the kernel receives it as. The element type tells the kernel the
-# format (`_widen`): half weights travel as bits, bf16 as int16 and fp16 as uint16.
+# format (gemv_tiles._widen): half weights travel as bits, bf16 as int16 and fp16 as uint16.
 _AS_NUMPY = {torch.float32: np.float32, torch.bfloat16: np.int16, torch.float16: np.uint16}
 
 
-@intrinsic
-def _widen(typingctx, w):
-    """Weight element -> float32: a float32 as is; bf16 bits (int16) shifted into a float32's high
-    half; fp16 bits (uint16) through LLVM's half type (vcvtph2ps with F16C). Each weight type
-    compiles to its own straight-line code."""
-    def codegen(context, builder, sig, args):
-        v = args[0]
-        if w == types.float32:
-            return v
-        if w == types.int16:
-            wide = builder.shl(builder.zext(v, ir.IntType(32)), ir.IntType(32)(16))
-            return builder.bitcast(wide, ir.FloatType())
-        return builder.fpext(builder.bitcast(v, ir.HalfType()), ir.FloatType())
-    if w not in (types.float32, types.int16, types.uint16):
-        return None
-    return types.float32(w), codegen
-
-
 _FASTMATH = {"reassoc", "contract", "arcp", "nsz"}  # sums may be reordered; nans still propagate
-
-
-@njit(fastmath=_FASTMATH, cache=True)
-def _eight_rows(x, w, y, first, step):
-    """Output rows first + i * step (i < ROWS; those past the last row are dropped) of
-    y (B, N) = x (B, K) @ w (N, K)^T: the 8 weight rows come from memory once and stay in L1 for
-    the rest of the batch."""
-    n, k = w.shape
-    last = n - 1  # a row past it reads the last row again: summed, then dropped
-    r0, r1, r2, r3 = min(first, last), min(first + step, last), min(first + 2 * step, last), \
-        min(first + 3 * step, last)
-    r4, r5, r6, r7 = min(first + 4 * step, last), min(first + 5 * step, last), \
-        min(first + 6 * step, last), min(first + 7 * step, last)
-    for b in range(x.shape[0]):
-        a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = np.float32(0.0)  # one per output row
-        for c in range(k):  # fastmath: LLVM vectorizes the eight dot products along c
-            xc = x[b, c]
-            a0 += _widen(w[r0, c]) * xc
-            a1 += _widen(w[r1, c]) * xc
-            a2 += _widen(w[r2, c]) * xc
-            a3 += _widen(w[r3, c]) * xc
-            a4 += _widen(w[r4, c]) * xc
-            a5 += _widen(w[r5, c]) * xc
-            a6 += _widen(w[r6, c]) * xc
-            a7 += _widen(w[r7, c]) * xc
-        sums = (a0, a1, a2, a3, a4, a5, a6, a7)
-        for i in range(ROWS):
-            if first + i * step < n:
-                y[b, first + i * step] = sums[i]
 
 
 # prange's index may be unsigned, and int64 + uint64 is a float in numba: blocks go in as int64
@@ -160,7 +115,8 @@ def _gemv_block(x, w, y, block):
 # numba's disk cache watches only the file that defines a function: the linear kernels inline
 # gemv_tiles.py too (and kernels/cpu_simd*.py, which kernel()'s key covers), so theirs hashes both
 _SOURCES = hashlib.sha256(b"".join((Path(__file__).parent / name).read_bytes()
-                                   for name in ("gemv.py", "gemv_tiles.py"))).hexdigest()
+                                   for name in ("gemv.py", "gemv_tiles.py", "packed.py")))
+_SOURCES = _SOURCES.hexdigest()
 
 
 def serial_and_parallel(fn: Callable, variant: tuple) -> tuple:
@@ -169,6 +125,16 @@ def serial_and_parallel(fn: Callable, variant: tuple) -> tuple:
     it inlines) and which of the two it is."""
     return (kernel((*variant, "serial"), fastmath=_FASTMATH)(fn),
             kernel((*variant, "parallel"), fastmath=_FASTMATH, parallel=True)(fn))
+
+
+def out_rows(w):
+    """N of a weight (N, K): an array's, or a packed one's (packed.py)."""
+    return w.shape[0]
+
+
+def in_cols(w):
+    """K of a weight (N, K), as out_rows."""
+    return w.shape[1]
 
 
 def _block(x, w, y, block):
@@ -181,8 +147,25 @@ def _block(x, w, y, block):
 if AVAILABLE:
     _eight_rows_block = njit(fastmath=_FASTMATH, cache=True)(_gemv_block)
 
+    @overload(out_rows)
+    def _out_rows_for(w):
+        if isinstance(w, types.BaseTuple):
+            return lambda w: w[0].shape[0]
+        return lambda w: w.shape[0]
+
+    @overload(in_cols)
+    def _in_cols_for(w):
+        if isinstance(w, types.BaseTuple):
+            return lambda w: w[0].shape[1] * 2
+        return lambda w: w.shape[1]
+
     @overload(_block)
     def _block_for(x, w, y, block):
+        if isinstance(w, types.BaseTuple):  # packed.py's (codes, scales, mins)
+            def packed_block(x, w, y, block):
+                eight = x.shape[0] <= SLICED_MAX_ROWS or x.shape[0] > TILE_MAX_ROWS
+                packed.block_product(x, w, y, np.int64(block) * ROWS, ROWS, eight)
+            return packed_block
         if w.dtype != types.float32:
             return lambda x, w, y, block: _sliced(x, w, y, block)
 
@@ -242,8 +225,8 @@ if AVAILABLE:
     def _linear(x, norm_weight, eps, w, bias, residual, swiglu, out):
         """out = act(norm(x) @ w^T + bias) + residual (`_epilogue`), in one call."""
         x = _normalized(x, norm_weight, eps)
-        y = empty_lines(x.shape[0], w.shape[0]) if swiglu else out  # (B, N)
-        for block in prange(-(-w.shape[0] // ROWS)):
+        y = empty_lines(x.shape[0], out_rows(w)) if swiglu else out  # (B, N)
+        for block in prange(-(-out_rows(w) // ROWS)):
             _block(x, w, y, block)
         _epilogue(y, bias, residual, swiglu, out)
 
@@ -260,8 +243,11 @@ def _threads() -> int:
 
 
 def _weight_array(weight: torch.Tensor) -> np.ndarray:
-    """(N, K) as the kernels read it: float32 as is; half weights as bits (int16 for bf16, uint16
-    for fp16: what `_widen` reads)."""
+    """(N, K) as the kernels read it: packed (packed.py) when pack_model packed it; float32 as
+    is; half weights as bits (int16 for bf16, uint16 for fp16: what gemv_tiles._widen reads)."""
+    arrays = packed.packed_arrays(weight)
+    if arrays is not None:
+        return arrays
     w = weight.detach()
     if weight.dtype == torch.float32:
         return w.numpy()

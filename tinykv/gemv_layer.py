@@ -35,7 +35,8 @@ from .kernels.layout import empty_rows
 # numba's disk cache watches only the file that defines a function: these kernels inline gemv.py
 # and gemv_tiles.py too, so their key hashes all three
 _SOURCES = hashlib.sha256(b"".join((Path(__file__).parent / name).read_bytes()
-                                   for name in ("gemv_layer.py", "gemv.py", "gemv_tiles.py")))
+                                   for name in ("gemv_layer.py", "gemv.py", "gemv_tiles.py",
+                                                "packed.py")))
 _SOURCES = _SOURCES.hexdigest()
 
 if AVAILABLE:
@@ -75,8 +76,8 @@ if AVAILABLE:
     def _project(x, norm_weight, eps, w, bias, cos, sin, out_qk, out_v):
         """out_qk, out_v = the RoPE'd q|k heads and v of norm(x) @ w^T + bias (_rope_epilogue)."""
         x = gemv._normalized(x, norm_weight, eps)
-        y = gemv.empty_lines(x.shape[0], w.shape[0])  # (B, N)
-        for block in prange(-(-w.shape[0] // ROWS)):
+        y = gemv.empty_lines(x.shape[0], gemv.out_rows(w))  # (B, N)
+        for block in prange(-(-gemv.out_rows(w) // ROWS)):
             gemv._block(x, w, y, block)
         _rope_epilogue(y, bias, cos, sin, out_qk, out_v)
 
@@ -87,16 +88,16 @@ if AVAILABLE:
         """out (B, D) = h + (silu(gate) * up) @ w_out^T + b_out, [gate | up] = norm(h) @ w_in^T
         + b_in, h = x + o @ wo^T + bo: the rest of a layer after attention."""
         h = gemv.empty_lines(x.shape[0], x.shape[1])  # (B, D)
-        for block in prange(-(-wo.shape[0] // ROWS)):
+        for block in prange(-(-gemv.out_rows(wo) // ROWS)):
             gemv._block(o, wo, h, block)
         gemv._epilogue(h, bo, x, False, h)
         hn = gemv._normalized(h, norm_weight, eps)
-        gate_up = gemv.empty_lines(x.shape[0], w_in.shape[0])  # (B, 2F)
-        for block in prange(-(-w_in.shape[0] // ROWS)):
+        gate_up = gemv.empty_lines(x.shape[0], gemv.out_rows(w_in))  # (B, 2F)
+        for block in prange(-(-gemv.out_rows(w_in) // ROWS)):
             gemv._block(hn, w_in, gate_up, block)
-        act = gemv.empty_lines(x.shape[0], w_out.shape[1])  # (B, F)
+        act = gemv.empty_lines(x.shape[0], gemv.in_cols(w_out))  # (B, F)
         gemv._epilogue(gate_up, b_in, x[:0], True, act)
-        for block in prange(-(-w_out.shape[0] // ROWS)):
+        for block in prange(-(-gemv.out_rows(w_out) // ROWS)):
             gemv._block(act, w_out, out, block)
         gemv._epilogue(out, b_out, h, False, out)
 

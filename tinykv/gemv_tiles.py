@@ -1,5 +1,6 @@
-"""The GEMV's inner loop for float32 weights (gemv.py): 4 output rows by 4 activation rows at a
-time, in vector registers.
+"""The GEMV's inner loops (gemv.py). The eight-row loop (_eight_rows, any weight dtype): 8 weight
+rows against one activation row at a time, vectorized by LLVM. The tiles, for float32 weights: 4
+output rows by 4 activation rows at a time, in vector registers.
 
 Each step along the input channels loads 16 channels of 4 weight rows and of 4 activation rows,
 and does 16 fused multiply-adds: 16 accumulators of 16 lanes, one per (activation row, output
@@ -24,11 +25,14 @@ ones with AVX2).
 
 from __future__ import annotations
 
-from .kernels.cpu_numerics import AVAILABLE, intrinsic, njit, prefetch_l2, types
+import numpy as np
+
+from .kernels.cpu_numerics import AVAILABLE, intrinsic, ir, njit, prefetch_l2, types
 from .kernels.cpu_simd import _pieces, load, splat
 from .kernels.cpu_simd_ops import fma, pair
 
 GROUP = 4  # activation rows, and output rows, per tile
+EIGHT_ROWS = 8  # weight rows per pass of _eight_rows (gemv.ROWS: a block of the GEMV)
 PAIR_ROWS = 8  # activation rows per tile of two weight rows
 # 8 activation rows and 2 weight rows of this many float32 channels fill half of a 48 KiB L1
 PAIR_MAX_CHANNELS = 24 * 1024 // (4 * (PAIR_ROWS + 2))
@@ -47,6 +51,52 @@ def _lane(typingctx, v, i):
     if getattr(v, "lanes", None) != LANES:
         return None
     return v.dtype(v, i), codegen
+
+
+@intrinsic
+def _widen(typingctx, w):
+    """Weight element -> float32: a float32 as is; bf16 bits (int16) shifted into a float32's high
+    half; fp16 bits (uint16) through LLVM's half type (vcvtph2ps with F16C). Each weight type
+    compiles to its own straight-line code."""
+    def codegen(context, builder, sig, args):
+        v = args[0]
+        if w == types.float32:
+            return v
+        if w == types.int16:
+            wide = builder.shl(builder.zext(v, ir.IntType(32)), ir.IntType(32)(16))
+            return builder.bitcast(wide, ir.FloatType())
+        return builder.fpext(builder.bitcast(v, ir.HalfType()), ir.FloatType())
+    if w not in (types.float32, types.int16, types.uint16):
+        return None
+    return types.float32(w), codegen
+
+
+def _eight_rows(x, w, y, first, step):
+    """Output rows first + i * step (i < EIGHT_ROWS; those past the last row are dropped) of
+    y (B, N) = x (B, K) @ w (N, K)^T: the 8 weight rows come from memory once and stay in L1 for
+    the rest of the batch."""
+    n, k = w.shape
+    last = n - 1  # a row past it reads the last row again: summed, then dropped
+    r0, r1, r2, r3 = min(first, last), min(first + step, last), min(first + 2 * step, last), \
+        min(first + 3 * step, last)
+    r4, r5, r6, r7 = min(first + 4 * step, last), min(first + 5 * step, last), \
+        min(first + 6 * step, last), min(first + 7 * step, last)
+    for b in range(x.shape[0]):
+        a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = np.float32(0.0)  # one per output row
+        for c in range(k):  # fastmath: LLVM vectorizes the eight dot products along c
+            xc = x[b, c]
+            a0 += _widen(w[r0, c]) * xc
+            a1 += _widen(w[r1, c]) * xc
+            a2 += _widen(w[r2, c]) * xc
+            a3 += _widen(w[r3, c]) * xc
+            a4 += _widen(w[r4, c]) * xc
+            a5 += _widen(w[r5, c]) * xc
+            a6 += _widen(w[r6, c]) * xc
+            a7 += _widen(w[r7, c]) * xc
+        sums = (a0, a1, a2, a3, a4, a5, a6, a7)
+        for i in range(EIGHT_ROWS):
+            if first + i * step < n:
+                y[b, first + i * step] = sums[i]
 
 
 def _four_fmas(u, v0, v1, v2, v3, a0, a1, a2, a3):
@@ -143,6 +193,11 @@ def _pairs_block(x, w, y, first, count):
                     y[row, o + j] = total
 
 
+def tile_rows(n_rows, k):
+    """Weight rows per tile for n_rows activation rows of k channels (_tiles_block's choice)."""
+    return 2 if PAIR_ROWS < n_rows <= 2 * PAIR_ROWS and k <= PAIR_MAX_CHANNELS else GROUP
+
+
 def _starts(first, last, k):
     """Flat starts of rows first .. first+3 of a (rows, k) array, repeating row `last` past it."""
     return (min(first, last) * k, min(first + 1, last) * k, min(first + 2, last) * k,
@@ -153,7 +208,7 @@ def _tiles_block(x, w, y, first, count):
     """Output rows first .. first+count-1 of y (B, N) = x (B, K) @ w (N, K)^T, in tiles of 4 by
     4; the 4 weight rows after each group are prefetched while it is multiplied."""
     n_rows, n_out, k = x.shape[0], w.shape[0], x.shape[1]
-    if PAIR_ROWS < n_rows <= 2 * PAIR_ROWS and k <= PAIR_MAX_CHANNELS:
+    if tile_rows(n_rows, k) == 2:
         _pairs_block(x, w, y, first, count)
         return
     steps = k // LANES
@@ -184,12 +239,14 @@ def _tiles_block(x, w, y, first, count):
 
 
 if AVAILABLE:
+    _eight_rows = njit(fastmath=_FASTMATH, cache=True)(_eight_rows)
     _four_fmas = njit(inline="always", cache=True)(_four_fmas)
     _two_fmas = njit(inline="always", cache=True)(_two_fmas)
     _tile_sums = njit(fastmath=_FASTMATH, cache=True)(_tile_sums)
     _pair_sums = njit(fastmath=_FASTMATH, cache=True)(_pair_sums)
     _pairs_block = njit(fastmath=_FASTMATH, cache=True)(_pairs_block)
     _starts = njit(inline="always", cache=True)(_starts)
+    tile_rows = njit(inline="always", cache=True)(tile_rows)
     tiles_block = njit(fastmath=_FASTMATH, cache=True)(_tiles_block)
 else:
     tiles_block = _tiles_block

@@ -14,6 +14,7 @@ import torch
 
 from .. import gemv
 from ..model import Transformer
+from ..packed import packed_arrays, packed_bytes
 
 
 def set_threads(n: int) -> None:
@@ -137,10 +138,16 @@ def _unread_tables(model: Transformer) -> list[torch.Tensor]:
 
 
 def weight_bytes(model: Transformer) -> int:
-    """Parameter bytes a decode step reads: all of them, less the embedding tables it does not
-    read whole (a tied matrix is listed once, and read whole as the head)."""
+    """Parameter bytes a decode step reads: all of them (packed ones as packed: packed.py), less
+    the embedding tables it does not read whole (a tied matrix is listed once, and read whole as
+    the head)."""
     unread = _unread_tables(model)
-    return sum(p.nbytes for p in model.parameters() if not any(p is t for t in unread))
+    return sum(packed_bytes(p) for p in model.parameters() if not any(p is t for t in unread))
+
+
+def packed_matrices(model: Transformer) -> int:
+    """How many of the model's weights the decode GEMV reads packed (--packed-weights)."""
+    return sum(packed_arrays(p) is not None for p in model.parameters())
 
 
 def linear_macs(model: Transformer) -> int:

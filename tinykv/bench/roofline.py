@@ -40,6 +40,7 @@ from .ceilings import (
     fma_peak,
     linear_macs,
     measure_bandwidth,
+    packed_matrices,
     seconds,
     set_threads,
     weight_bytes,
@@ -272,7 +273,8 @@ def collect(model: Transformer, hf, mode: dict, specs: list[str], threads: list[
         hf_kinds.append(("quanto-int4", True))
     w_bytes, macs = weight_bytes(model), linear_macs(model)
     out = {"config": {**mode, "specs": specs, "threads": threads, "transformers": hf is not None,
-                      "transformers_quantized": hf_q}, "weight_bytes": w_bytes, "runs": []}
+                      "transformers_quantized": hf_q, "packed_weights": packed_matrices(model)},
+           "weight_bytes": w_bytes, "runs": []}
     for n in threads:
         set_threads(n)
         bw = measure_bandwidth(mode["bw_mib"], mode["bw_reps"])

@@ -162,6 +162,9 @@ def cmd_bench_peers(args) -> None:
     if args.device != "cpu" or (args.dtype or "float32") != "float32":
         raise UsageError("bench peers compares float32 weights on the CPU (--device cpu "
                          "--dtype float32)")
+    if args.packed_weights:
+        raise UsageError("bench peers reads float32 weights in both engines (llama.cpp's F32 "
+                         "GGUF): not with --packed-weights")
     if args.no_ppl and args.no_speed:
         raise UsageError("--no-ppl with --no-speed leaves nothing to measure")
     check_io(args, {"the chart": Path(args.out).with_suffix(".png")})

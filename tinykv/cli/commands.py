@@ -18,7 +18,7 @@ from tqdm import tqdm
 from ..cache import PagedKVCache, make_cache
 from ..fetch import DEFAULT_DIR, fetch
 from ..generate import Engine, Sampling, generation_stats, numerics_warning, saturation_warning
-from ..model import Config, ModelError, Transformer
+from ..model import Config, Linear, ModelError, Transformer
 from ..outputs import check_outputs
 from ..spec import KVSpec
 from ..tokenizer import StreamDecoder, Tokenizer
@@ -61,6 +61,9 @@ def check_device_args(args) -> torch.device:
                          "the Triton kernels on the CPU (slowly)")
     if attention == "cpu" and device.type != "cpu":
         raise UsageError("--attention cpu runs the model on the CPU: add --device cpu")
+    if getattr(args, "packed_weights", False) and device.type != "cpu":
+        raise UsageError("--packed-weights: packed weights are read by the CPU's decode GEMV; "
+                         "add --device cpu")
     return device
 
 
@@ -92,7 +95,20 @@ def load_model(args) -> tuple[Transformer, Path]:
         raise
     except LOAD_ERRORS as e:
         raise CheckpointError(f"cannot load the model in {path}: {one_line(e)}") from e
+    if getattr(args, "packed_weights", False):
+        pack_weights(model)
     return model, path
+
+
+def pack_weights(model: Transformer) -> None:
+    """--packed-weights: the linear layers that pack losslessly, packed (packed.py), and a line
+    that says how many."""
+    from ..packed import pack_model
+    packed = pack_model(model)
+    total = sum(isinstance(m, Linear) and m is not model.lm_head for m in model.modules())
+    note = "" if packed else " (none came from 4-bit blocks, or numba is missing)"
+    print(f"[tinykv] packed weights: {packed} of {total} linear layers read in 4-bit codes{note}",
+          file=sys.stderr, flush=True)
 
 
 def one_line(e: BaseException, limit: int = 300) -> str:

@@ -288,6 +288,8 @@ def add_roofline_parser(bsub: argparse._SubParsersAction) -> None:
     r.add_argument("--kv-scales", metavar="FILE", help="scales, means and maps for the specs "
                    "that take them (tinykv calibrate)")
     r.add_argument("--weights", metavar="DIR", help="model folder (default: SmolLM2-135M)")
+    r.add_argument("--packed-weights", action="store_true", default=argparse.SUPPRESS,
+                   help="read the weights that came from 4-bit blocks in those codes (as bench's)")
     r.add_argument("--no-transformers", action="store_true", help="tinykv only")
     r.set_defaults(prog=r.prog)
 
