@@ -91,9 +91,8 @@ def pack_model(model) -> int:
     from then on; a weight given new storage later is read as it is."""
     if not AVAILABLE:
         return 0
-    from .model import Linear
-    weights = [m.weight for m in model.modules()
-               if isinstance(m, Linear) and m is not model.lm_head and m.weight.is_cpu]
+    weights = [m.weight for m in model.modules()  # model.Linear is an nn.Linear
+               if isinstance(m, torch.nn.Linear) and m is not model.lm_head and m.weight.is_cpu]
     count = 0
     for w in weights:
         arrays = pack(w)
