@@ -23,6 +23,20 @@ def from_blocks(weights: torch.Tensor, kind=GGMLQuantizationType.Q4_1) -> torch.
     return torch.from_numpy(np.array(dequantize(raw, kind), np.float32).reshape(weights.shape))
 
 
+def unpacked(p: packed.Packed) -> torch.Tensor:
+    """The float32 matrix (rows, K) a Packed holds, read from its documented layout: panels of
+    16 rows, byte [p, t, j] = row 16p+j's codes at channels 2t (low nibble) and 2t+1 (high)."""
+    codes = torch.from_numpy(p.codes)  # (P, K/2, 16)
+    q = torch.stack([codes & 15, codes >> 4], 2).float()  # (P, K/2, 2, 16): channel 2t + parity
+    q = q.flatten(1, 2).transpose(1, 2).flatten(0, 1)  # (P*16, K)
+    scales = torch.from_numpy(p.scales).transpose(1, 2).flatten(0, 1)  # (P*16, K/32)
+    mins = torch.from_numpy(p.mins).transpose(1, 2).flatten(0, 1)
+    k = q.shape[1]
+    rebuilt = scales.repeat_interleave(32, 1) * q + mins.repeat_interleave(32, 1)  # (P*16, K)
+    assert not rebuilt[p.rows:].any()  # the last panel's padding rows are zeros
+    return rebuilt[:p.rows].view(p.rows, k)
+
+
 def attached(w: torch.Tensor) -> torch.Tensor:
     """w as a parameter carrying its packed arrays, as pack_model leaves a model's weights."""
     p = torch.nn.Parameter(w.clone(), requires_grad=False)
@@ -35,11 +49,7 @@ def test_packing_gives_back_every_weight_bit_for_bit(shape):
     torch.manual_seed(shape[0])
     w = from_blocks(torch.randn(shape) * torch.rand(shape[0], 1) + torch.randn(shape[0], 1))
     w[3 % shape[0], :32] = 0.25  # a block of one value: its scale can be anything
-    codes, scales, mins = packed.pack(w)
-    halves = torch.from_numpy(codes).view(shape[0], -1, 16)  # (N, K/32, 16)
-    q = torch.stack([halves & 15, halves >> 4], 2).flatten(2).float()  # (N, K/32, 32)
-    rebuilt = (torch.from_numpy(scales)[..., None] * q + torch.from_numpy(mins)[..., None])
-    assert torch.equal(rebuilt.view(shape).view(torch.int32), w.view(torch.int32))
+    assert torch.equal(unpacked(packed.pack(w)).view(torch.int32), w.view(torch.int32))
     # the kernel's own decode: x = one-hot rows pick columns, each a single product by 1.0
     p = attached(w)
     for col in (0, shape[1] // 2 + 5, shape[1] - 1):

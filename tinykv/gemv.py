@@ -18,7 +18,8 @@ matmul is bound by arithmetic, stay with torch.
 it), like the attention kernels: `linear_cpu` where numba is installed and the weights are on the
 CPU, else model.fused_linear (torch); gemv_layer.py builds a whole decode layer's two calls on the
 same GEMV. Weights may be float32, bfloat16 or float16: half weights travel as integer bits and
-are widened in registers (numba has no float16 on the CPU), accumulation is float32 either way.
+are widened in registers (numba has no float16 on the CPU), accumulation is float32 either way;
+weights packed from 4-bit blocks (packed.py) go through gemv_packed.py's loops.
 
 torch's RMSNorm on the CPU is several small operations, each with a fixed cost; a decode step
 runs two per layer on a few rows, where that cost is all there is. The norm is fused before the
@@ -38,6 +39,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import packed
+from .gemv_packed import UNIT, panels_product
 from .gemv_tiles import EIGHT_ROWS, _eight_rows, tiles_block
 from .kernels.cpu_numerics import exp, kernel, use_threads
 from .kernels.cpu_simd import HAS_F16C, WIDE_VECTORS
@@ -115,7 +117,7 @@ def _gemv_block(x, w, y, block):
 # numba's disk cache watches only the file that defines a function: the linear kernels inline
 # gemv_tiles.py too (and kernels/cpu_simd*.py, which kernel()'s key covers), so theirs hashes both
 _SOURCES = hashlib.sha256(b"".join((Path(__file__).parent / name).read_bytes()
-                                   for name in ("gemv.py", "gemv_tiles.py", "packed.py")))
+                                   for name in ("gemv.py", "gemv_tiles.py", "gemv_packed.py")))
 _SOURCES = _SOURCES.hexdigest()
 
 
@@ -128,8 +130,14 @@ def serial_and_parallel(fn: Callable, variant: tuple) -> tuple:
 
 
 def out_rows(w):
-    """N of a weight (N, K): an array's, or a packed one's (packed.py)."""
+    """N of a weight (N, K): an array's, or a packed one's (packed.Packed)."""
     return w.shape[0]
+
+
+def blocks(w):
+    """How many calls of _block cover a weight's output rows: blocks of ROWS rows, or for a
+    packed weight units of UNIT panels (gemv_packed.py)."""
+    return -(-w.shape[0] // ROWS)
 
 
 def in_cols(w):
@@ -150,22 +158,28 @@ if AVAILABLE:
     @overload(out_rows)
     def _out_rows_for(w):
         if isinstance(w, types.BaseTuple):
-            return lambda w: w[0].shape[0]
+            return lambda w: w.rows
         return lambda w: w.shape[0]
 
     @overload(in_cols)
     def _in_cols_for(w):
         if isinstance(w, types.BaseTuple):
-            return lambda w: w[0].shape[1] * 2
+            return lambda w: w.codes.shape[1] * 2
         return lambda w: w.shape[1]
+
+    @overload(blocks)
+    def _blocks_for(w):
+        if isinstance(w, types.BaseTuple):
+            return lambda w: -(-w.codes.shape[0] // UNIT)
+        return lambda w: -(-w.shape[0] // ROWS)
 
     @overload(_block)
     def _block_for(x, w, y, block):
-        if isinstance(w, types.BaseTuple):  # packed.py's (codes, scales, mins)
-            def packed_block(x, w, y, block):
-                eight = x.shape[0] <= SLICED_MAX_ROWS or x.shape[0] > TILE_MAX_ROWS
-                packed.block_product(x, w, y, np.int64(block) * ROWS, ROWS, eight)
-            return packed_block
+        if isinstance(w, types.BaseTuple):  # packed.Packed: its loops read x by flat index
+            if x.layout == "C":
+                return lambda x, w, y, block: panels_product(x, w, y, np.int64(block))
+            return lambda x, w, y, block: panels_product(np.ascontiguousarray(x), w, y,
+                                                         np.int64(block))
         if w.dtype != types.float32:
             return lambda x, w, y, block: _sliced(x, w, y, block)
 
@@ -226,7 +240,7 @@ if AVAILABLE:
         """out = act(norm(x) @ w^T + bias) + residual (`_epilogue`), in one call."""
         x = _normalized(x, norm_weight, eps)
         y = empty_lines(x.shape[0], out_rows(w)) if swiglu else out  # (B, N)
-        for block in prange(-(-out_rows(w) // ROWS)):
+        for block in prange(blocks(w)):
             _block(x, w, y, block)
         _epilogue(y, bias, residual, swiglu, out)
 

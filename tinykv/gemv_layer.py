@@ -28,15 +28,15 @@ import torch
 import torch.nn as nn
 
 from . import gemv
-from .gemv import AVAILABLE, ROWS, SMALL_BATCH, TILE_BATCH, njit, prange
+from .gemv import AVAILABLE, SMALL_BATCH, TILE_BATCH, njit, prange
 from .kernels.cpu_numerics import use_threads
 from .kernels.layout import empty_rows
 
 # numba's disk cache watches only the file that defines a function: these kernels inline gemv.py
-# and gemv_tiles.py too, so their key hashes all three
+# and its loops' files too, so their key hashes all of them
 _SOURCES = hashlib.sha256(b"".join((Path(__file__).parent / name).read_bytes()
                                    for name in ("gemv_layer.py", "gemv.py", "gemv_tiles.py",
-                                                "packed.py")))
+                                                "gemv_packed.py")))
 _SOURCES = _SOURCES.hexdigest()
 
 if AVAILABLE:
@@ -77,7 +77,7 @@ if AVAILABLE:
         """out_qk, out_v = the RoPE'd q|k heads and v of norm(x) @ w^T + bias (_rope_epilogue)."""
         x = gemv._normalized(x, norm_weight, eps)
         y = gemv.empty_lines(x.shape[0], gemv.out_rows(w))  # (B, N)
-        for block in prange(-(-gemv.out_rows(w) // ROWS)):
+        for block in prange(gemv.blocks(w)):
             gemv._block(x, w, y, block)
         _rope_epilogue(y, bias, cos, sin, out_qk, out_v)
 
@@ -88,16 +88,16 @@ if AVAILABLE:
         """out (B, D) = h + (silu(gate) * up) @ w_out^T + b_out, [gate | up] = norm(h) @ w_in^T
         + b_in, h = x + o @ wo^T + bo: the rest of a layer after attention."""
         h = gemv.empty_lines(x.shape[0], x.shape[1])  # (B, D)
-        for block in prange(-(-gemv.out_rows(wo) // ROWS)):
+        for block in prange(gemv.blocks(wo)):
             gemv._block(o, wo, h, block)
         gemv._epilogue(h, bo, x, False, h)
         hn = gemv._normalized(h, norm_weight, eps)
         gate_up = gemv.empty_lines(x.shape[0], gemv.out_rows(w_in))  # (B, 2F)
-        for block in prange(-(-gemv.out_rows(w_in) // ROWS)):
+        for block in prange(gemv.blocks(w_in)):
             gemv._block(hn, w_in, gate_up, block)
         act = gemv.empty_lines(x.shape[0], gemv.in_cols(w_out))  # (B, F)
         gemv._epilogue(gate_up, b_in, x[:0], True, act)
-        for block in prange(-(-gemv.out_rows(w_out) // ROWS)):
+        for block in prange(gemv.blocks(w_out)):
             gemv._block(act, w_out, out, block)
         gemv._epilogue(out, b_out, h, False, out)
 

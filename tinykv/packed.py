@@ -11,36 +11,43 @@ d * q + m gives back every weight bit for bit. d is a float16 value and q has 4 
 exact in float32 and the one rounding of + m is the same whether or not it is fused: the kernel's
 fused multiply-add rebuilds the very float32 weights (tests/test_packed.py checks against gguf's
 own dequantizer). Any other matrix (trained float32 weights, 8-bit blocks, a row length that is
-not a multiple of 32) is left as it is. A packed matrix holds per block 16 bytes of codes (two
-per byte, the Q4_1 order: byte j holds weights j and j + 16) and d and m as float32: 24 bytes per
-32 weights instead of 128.
+not a multiple of 32) is left as it is.
 
-The GEMV (gemv._block, by block_product) decodes a block of 8 output rows (or one register
-tile's rows) into a small float32 tile, which stays in L1 or L2, and multiplies it with the
-float32 loops of gemv_tiles.py, so the arithmetic is theirs; only the bytes from memory shrink.
+The packed layout is the GEMV's (gemv_packed.py): panels of 16 output rows (the last padded with
+zero rows), and in a panel, per pair of input channels, 16 bytes: byte j holds row j's code at
+the even channel (low nibble) and at the odd one (high nibble). d and m are float32, per panel
+and block of 32 channels, the 16 rows' side by side. So one 16-byte load and one vector load of d
+and of m rebuild 16 rows' weights in registers: 24 bytes per 32 weights instead of 128.
 Prefill keeps the float32 matrices (torch's matmul). `pack_model` packs every linear layer of a
 loaded model that packs.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 
-from .gemv_tiles import _FASTMATH, _eight_rows, tile_rows, tiles_block
-from .kernels.cpu_numerics import AVAILABLE, njit
-from .kernels.cpu_simd import plane_lanes, splat, store, to_float
-from .kernels.cpu_simd_ops import fma
+from .gemv_packed import GROUP, PANEL
+from .kernels.cpu_numerics import AVAILABLE
 
-GROUP = 32  # weights of a row per (d, m) pair, as in Q4_1
-HALF = GROUP // 2  # bytes of codes per group (numba reads constants, not expressions, as literals)
 LEVELS = 15  # the largest code
 _ATTRIBUTE = "tinykv_packed"  # the packed arrays ride on the weight tensor itself
 
 
-def pack(weight: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-    """(codes (N, K/2) uint8, scales (N, K/32) float32, mins (N, K/32) float32) that rebuild the
-    float32 matrix `weight` (N, K) exactly, or None where no such codes exist."""
+class Packed(NamedTuple):
+    """A float32 matrix W (rows, K) as its Q4_1 blocks, in panels of PANEL output rows."""
+
+    codes: np.ndarray  # (panels, K/2, PANEL) uint8: [p, t, j] = row p*16+j, channels 2t (low), 2t+1
+    scales: np.ndarray  # (panels, K/32, PANEL) float32: d of row p*16+j's block
+    mins: np.ndarray  # (panels, K/32, PANEL) float32: m of the same block
+    rows: int  # N: the rows past it in the last panel are zeros, never written
+
+
+def pack(weight: torch.Tensor) -> Packed | None:
+    """The Packed form of the float32 matrix `weight` (N, K), which rebuilds it exactly, or None
+    where no such codes exist."""
     if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % GROUP:
         return None
     n, k = weight.shape
@@ -67,13 +74,29 @@ def pack(weight: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray] | No
         found |= exact
     if not found.all():
         return None
-    halves = codes[..., :HALF] | (codes[..., HALF:] << 4)  # (N, K/32, 16)
-    return halves.reshape(n, k // 2).numpy(), scales.numpy(), low.numpy()
+    return _panels(codes.reshape(n, k), scales, low)
 
 
-def packed_arrays(weight: torch.Tensor) -> tuple | None:
-    """The arrays `pack_model` attached to `weight` (codes, scales, mins), or None, also when
-    the weight has new storage since (.data replaced: those arrays are another matrix's)."""
+def _panels(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> Packed:
+    """codes (N, K) uint8, scales and mins (N, K/32) -> Packed (the layout above)."""
+    n, k = codes.shape
+    panels = -(-n // PANEL)
+    padded = torch.zeros(panels * PANEL, k, dtype=torch.uint8)  # (P*16, K)
+    padded[:n] = codes
+    pairs = padded.view(panels, PANEL, k // 2, 2)
+    nibbles = pairs[..., 0] | (pairs[..., 1] << 4)  # (P, 16, K/2)
+
+    def by_panel(per_block: torch.Tensor) -> np.ndarray:  # (N, K/32) -> (P, K/32, 16)
+        out = torch.zeros(panels * PANEL, k // GROUP)
+        out[:n] = per_block
+        return out.view(panels, PANEL, -1).transpose(1, 2).contiguous().numpy()
+    return Packed(nibbles.transpose(1, 2).contiguous().numpy(), by_panel(scales), by_panel(mins),
+                  n)
+
+
+def packed_arrays(weight: torch.Tensor) -> Packed | None:
+    """The Packed form `pack_model` attached to `weight`, or None, also when the weight has new
+    storage since (.data replaced: those arrays are another matrix's)."""
     address, arrays = getattr(weight, _ATTRIBUTE, (None, None))
     return arrays if address == weight.data_ptr() else None
 
@@ -81,7 +104,9 @@ def packed_arrays(weight: torch.Tensor) -> tuple | None:
 def packed_bytes(weight: torch.Tensor) -> int:
     """The bytes a decode step reads for `weight`: its packed codes and scales, or itself."""
     arrays = packed_arrays(weight)
-    return weight.nbytes if arrays is None else sum(a.nbytes for a in arrays)
+    if arrays is None:
+        return weight.nbytes
+    return arrays.codes.nbytes + arrays.scales.nbytes + arrays.mins.nbytes
 
 
 def pack_model(model) -> int:
@@ -100,45 +125,3 @@ def pack_model(model) -> int:
             setattr(w, _ATTRIBUTE, (w.data_ptr(), arrays))
             count += 1
     return count
-
-
-def _decode_rows(codes, scales, mins, first, rows, tile):
-    """tile (flat, rows * K used) = the float32 weights of rows first .. first+rows-1, rebuilt
-    from their codes: per block of 32, one 16-byte load, two nibble planes, d * q + m fused."""
-    k = codes.shape[1] * 2
-    for r in range(rows):
-        row = first + r
-        for block in range(k // GROUP):
-            q = to_float(plane_lanes(codes, row * (k // 2) + block * HALF, 0, GROUP, 4, HALF))
-            weights = fma(q, splat(scales[row, block], GROUP), splat(mins[row, block], GROUP))
-            store(tile, r * k + block * GROUP, weights)
-
-
-def _block_product(x, w, y, first, count, eight):
-    """Output rows first .. first+count-1 of y (B, N) = x (B, K) @ W^T for W packed in w (codes,
-    scales, mins): the rows decoded into a tile of their own, then multiplied by the float32
-    loops: all of them at once for the eight-row loop (`eight`), else as many as one register
-    tile takes (2 or 4), so that the tile shares L1 with the activation rows. The tile is
-    allocated here: a shared one per thread would need numba's thread id, and code that calls
-    it crashed when loaded from numba's disk cache."""
-    codes, scales, mins = w
-    last = min(first + count, codes.shape[0])
-    k = codes.shape[1] * 2
-    flat = np.empty(count * k, np.float32)  # (count * K,)
-    step = count if eight else tile_rows(x.shape[0], k)
-    for start in range(first, last, step):
-        rows = min(step, last - start)
-        _decode_rows(codes, scales, mins, start, rows, flat)
-        tile = flat[:rows * k].reshape((rows, k))  # (rows, K)
-        out = y[:, start:start + rows]  # (B, rows), a view
-        if eight:
-            _eight_rows(x, tile, out, 0, 1)
-        else:
-            tiles_block(x, tile, out, 0, rows)
-
-
-if AVAILABLE:
-    _decode_rows = njit(inline="always", cache=True)(_decode_rows)
-    block_product = njit(fastmath=_FASTMATH, inline="always", cache=True)(_block_product)
-else:
-    block_product = _block_product

@@ -193,6 +193,17 @@ def splat(typingctx, x, lanes):
     return Vec(types.float32, n)(x, lanes), codegen
 
 
+
+@intrinsic(prefer_literal=True)
+def splat_at(typingctx, arr, start, lanes):
+    """Element `start` (flat index, no negative wrap) of a float32 array in every lane."""
+    n = _literal(lanes)
+
+    def codegen(context, builder, sig, args):
+        data = _data(context, builder, sig.args[0], args[0])
+        return _splat(builder, builder.load(builder.gep(data, [args[1]])), n)
+    return Vec(types.float32, n)(arr, start, lanes), codegen
+
 # ---- conversions ------------------------------------------------------------------------------
 
 @intrinsic

@@ -1,0 +1,188 @@
+"""The GEMV's loops for packed weights (packed.py): y (B, N) = x (B, K) @ W^T, W read as its 4-bit
+codes and rebuilt in registers, never in memory.
+
+packed.py stores W in panels of 16 output rows: per pair of input channels, 16 bytes, byte j
+holding row j's two codes. One 16-byte load, two nibble planes and a fused d * q + m give the
+weights of 16 output rows at two channels as two 16-lane vectors. Each is then multiplied by one
+activation of a row (broadcast from memory into all lanes) and added to that row's 16 outputs:
+an outer product, so each accumulator holds 16 outputs, there is no horizontal sum at the end,
+and the rebuilt weights are reused across every activation row in registers.
+
+The 32 vector registers of AVX-512 hold 16 accumulators in three shapes, picked by the rows left:
+8 activation rows by 2 panels (from 5 rows: decoding 2 panels per 32 multiply-adds keeps the
+loads and the decode below the arithmetic), 4 by 4 (2 to 4 rows), 1 by 4 (one row: 4 panels keep
+4 independent sums in flight). Rows past the last repeat it, panels past the last repeat it;
+neither is written. Each call covers UNIT panels, the unit threads split; while it multiplies a
+block of 32 channels, the same block of the panels after it is prefetched into L2, so their reads
+overlap this arithmetic instead of following it (the README's speed section: the GEMV alone).
+"""
+
+from __future__ import annotations
+
+from .gemv_tiles import _FASTMATH, _lane
+from .kernels.cpu_numerics import AVAILABLE, njit, prefetch_l2
+from .kernels.cpu_simd import load, plane_lanes, splat, splat_at, to_float
+from .kernels.cpu_simd_ops import fma
+
+PANEL = 16  # output rows per panel: one 16-lane vector of outputs
+GROUP = 32  # input channels per (d, m) pair, as in Q4_1
+PAIRS = 16  # channel pairs per group: the loop over them has constant bounds (LLVM unrolls it)
+UNIT = 4  # panels per panels_product call: the unit threads split (64 output rows)
+LINE = 64  # bytes per cache line
+
+
+def _weights(w, panel, group, pair):
+    """Panel `panel`'s 16 rows at channels 2 * (group * PAIRS + pair) and the next, as two 16-lane
+    float32 vectors rebuilt from their codes (d and m are loop-invariant across a group's pairs:
+    LLVM loads them once per group)."""
+    groups = w.scales.shape[1]
+    at = (panel * groups + group) * PANEL
+    d, m = load(w.scales, at, PANEL), load(w.mins, at, PANEL)
+    byte = ((panel * groups + group) * PAIRS + pair) * PANEL
+    even = fma(to_float(plane_lanes(w.codes, byte, 0, PANEL, 4, PANEL)), d, m)
+    odd = fma(to_float(plane_lanes(w.codes, byte, PANEL, PANEL, 4, PANEL)), d, m)
+    return even, odd
+
+
+def _prefetch_group(w, panel, group):
+    """Group `group` of panel `panel` (its 16 bytes of codes per pair, d and m) into L2."""
+    groups = w.scales.shape[1]
+    byte = (panel * groups + group) * PAIRS * PANEL
+    for line in range(PAIRS * PANEL // LINE):
+        prefetch_l2(w.codes, byte + line * LINE)
+    prefetch_l2(w.scales, (panel * groups + group) * PANEL)
+    prefetch_l2(w.mins, (panel * groups + group) * PANEL)
+
+
+def _two_panels(x, at, w0, w1, a, b):
+    """One row's two channels into two panels' sums a and b."""
+    x0, x1 = splat_at(x, at, PANEL), splat_at(x, at + 1, PANEL)
+    return fma(x1, w0[1], fma(x0, w0[0], a)), fma(x1, w1[1], fma(x0, w1[0], b))
+
+
+def _four_panels(x0, x1, w, a0, a1, a2, a3):
+    """One row's two channels (x0, x1: broadcast) into four panels' sums (w: their weights)."""
+    return (fma(x1, w[0][1], fma(x0, w[0][0], a0)), fma(x1, w[1][1], fma(x0, w[1][0], a1)),
+            fma(x1, w[2][1], fma(x0, w[2][0], a2)), fma(x1, w[3][1], fma(x0, w[3][0], a3)))
+
+
+def _rows8_panels2(x, w, p0, p1, starts):
+    """Sums of 8 activation rows (flat starts in x) by panels p0 and p1, row by row (a, b)."""
+    s0, s1, s2, s3, s4, s5, s6, s7 = starts
+    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = splat(0.0, PANEL)  # with p0
+    b0 = b1 = b2 = b3 = b4 = b5 = b6 = b7 = splat(0.0, PANEL)  # with p1
+    for group in range(w.scales.shape[1]):
+        _prefetch_group(w, p1 + 1, group)
+        _prefetch_group(w, p1 + 2, group)
+        for pair in range(PAIRS):
+            w0, w1 = _weights(w, p0, group, pair), _weights(w, p1, group, pair)
+            c = 2 * (group * PAIRS + pair)
+            a0, b0 = _two_panels(x, s0 + c, w0, w1, a0, b0)
+            a1, b1 = _two_panels(x, s1 + c, w0, w1, a1, b1)
+            a2, b2 = _two_panels(x, s2 + c, w0, w1, a2, b2)
+            a3, b3 = _two_panels(x, s3 + c, w0, w1, a3, b3)
+            a4, b4 = _two_panels(x, s4 + c, w0, w1, a4, b4)
+            a5, b5 = _two_panels(x, s5 + c, w0, w1, a5, b5)
+            a6, b6 = _two_panels(x, s6 + c, w0, w1, a6, b6)
+            a7, b7 = _two_panels(x, s7 + c, w0, w1, a7, b7)
+    return (a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7)
+
+
+def _rows4_panels4(x, w, panels, starts):
+    """Sums of 4 activation rows (flat starts) by 4 panels, row by row."""
+    s0, s1, s2, s3 = starts
+    p0, p1, p2, p3 = panels
+    a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = splat(0.0, PANEL)  # a<row><panel>
+    a20 = a21 = a22 = a23 = a30 = a31 = a32 = a33 = splat(0.0, PANEL)
+    for group in range(w.scales.shape[1]):
+        for p in panels:
+            _prefetch_group(w, p + UNIT, group)
+        for pair in range(PAIRS):
+            ws = (_weights(w, p0, group, pair), _weights(w, p1, group, pair),
+                  _weights(w, p2, group, pair), _weights(w, p3, group, pair))
+            c = 2 * (group * PAIRS + pair)
+            a00, a01, a02, a03 = _four_panels(splat_at(x, s0 + c, PANEL),
+                                              splat_at(x, s0 + c + 1, PANEL), ws,
+                                              a00, a01, a02, a03)
+            a10, a11, a12, a13 = _four_panels(splat_at(x, s1 + c, PANEL),
+                                              splat_at(x, s1 + c + 1, PANEL), ws,
+                                              a10, a11, a12, a13)
+            a20, a21, a22, a23 = _four_panels(splat_at(x, s2 + c, PANEL),
+                                              splat_at(x, s2 + c + 1, PANEL), ws,
+                                              a20, a21, a22, a23)
+            a30, a31, a32, a33 = _four_panels(splat_at(x, s3 + c, PANEL),
+                                              splat_at(x, s3 + c + 1, PANEL), ws,
+                                              a30, a31, a32, a33)
+    return (a00, a01, a02, a03, a10, a11, a12, a13, a20, a21, a22, a23, a30, a31, a32, a33)
+
+
+def _row1_panels4(x, w, panels, start):
+    """Sums of one activation row (flat start) by 4 panels."""
+    p0, p1, p2, p3 = panels
+    a0 = a1 = a2 = a3 = splat(0.0, PANEL)
+    for group in range(w.scales.shape[1]):
+        for p in panels:
+            _prefetch_group(w, p + UNIT, group)
+        for pair in range(PAIRS):
+            ws = (_weights(w, p0, group, pair), _weights(w, p1, group, pair),
+                  _weights(w, p2, group, pair), _weights(w, p3, group, pair))
+            c = start + 2 * (group * PAIRS + pair)
+            a0, a1, a2, a3 = _four_panels(splat_at(x, c, PANEL), splat_at(x, c + 1, PANEL), ws,
+                                          a0, a1, a2, a3)
+    return (a0, a1, a2, a3)
+
+
+def _write(y, sums, first_row, panels, n_out):
+    """y[first_row + i, panel p's rows] = sums[i * len(panels) + p], inside y (B, n_out)."""
+    per_row = len(panels)
+    for i in range(len(sums) // per_row):
+        for p in range(per_row):
+            for lane in range(PANEL):
+                col = panels[p] * PANEL + lane
+                if first_row + i < y.shape[0] and col < n_out:
+                    y[first_row + i, col] = _lane(sums[i * per_row + p], lane)
+
+
+def _start(row, last, k):
+    """Flat start of row `row` of x (rows of k channels), or of row `last` past it."""
+    return min(row, last) * k
+
+
+def panels_product(x, w, y, unit):
+    """Output rows of panels UNIT * unit .. + UNIT - 1 of y (B, N) = x (B, K) @ W^T, W packed in
+    w (packed.Packed) and x C-contiguous: rows 8 at a time while more than 4 are left, then 4 or
+    1 (the shapes above)."""
+    n_rows, k = x.shape
+    last = n_rows - 1
+    last_panel = w.codes.shape[0] - 1
+    first = unit * UNIT
+    p = (first, min(first + 1, last_panel), min(first + 2, last_panel),
+         min(first + 3, last_panel))
+    done = 0
+    while n_rows - done > 4:
+        starts = (_start(done, last, k), _start(done + 1, last, k), _start(done + 2, last, k),
+                  _start(done + 3, last, k), _start(done + 4, last, k), _start(done + 5, last, k),
+                  _start(done + 6, last, k), _start(done + 7, last, k))
+        _write(y, _rows8_panels2(x, w, p[0], p[1], starts), done, (p[0], p[1]), w.rows)
+        if first + 2 <= last_panel:
+            _write(y, _rows8_panels2(x, w, p[2], p[3], starts), done, (p[2], p[3]), w.rows)
+        done += 8
+    if n_rows - done > 1:
+        starts4 = (_start(done, last, k), _start(done + 1, last, k), _start(done + 2, last, k),
+                   _start(done + 3, last, k))
+        _write(y, _rows4_panels4(x, w, p, starts4), done, p, w.rows)
+    elif n_rows - done == 1:
+        _write(y, _row1_panels4(x, w, p, done * k), done, p, w.rows)
+
+
+if AVAILABLE:
+    _weights = njit(inline="always", cache=True)(_weights)
+    _prefetch_group = njit(inline="always", cache=True)(_prefetch_group)
+    _two_panels = njit(inline="always", cache=True)(_two_panels)
+    _four_panels = njit(inline="always", cache=True)(_four_panels)
+    _start = njit(inline="always", cache=True)(_start)
+    _rows8_panels2 = njit(fastmath=_FASTMATH, cache=True)(_rows8_panels2)
+    _rows4_panels4 = njit(fastmath=_FASTMATH, cache=True)(_rows4_panels4)
+    _row1_panels4 = njit(fastmath=_FASTMATH, cache=True)(_row1_panels4)
+    _write = njit(cache=True)(_write)
+    panels_product = njit(fastmath=_FASTMATH, inline="always", cache=True)(panels_product)
