@@ -1,20 +1,22 @@
-"""The GEMV's loops for packed weights (packed.py): y (B, N) = x (B, K) @ W^T, W read as its 4-bit
-codes and rebuilt in registers, never in memory.
+"""The GEMV's loops for packed weights (packed.py): y (B, N) = x (B, K) @ W^T, W read as its 4- or
+8-bit codes and rebuilt in registers, never in memory.
 
-packed.py stores W in panels of 16 output rows: per pair of input channels, 16 bytes, byte j
-holding row j's two codes. One 16-byte load, two nibble planes and a fused d * q + m give the
-weights of 16 output rows at two channels as two 16-lane vectors. Each is then multiplied by one
-activation of a row (broadcast from memory into all lanes) and added to that row's 16 outputs:
-an outer product, so each accumulator holds 16 outputs, there is no horizontal sum at the end,
-and the rebuilt weights are reused across every activation row in registers.
+packed.py stores W in panels of 16 output rows: per pair of input channels, the 16 rows' codes
+side by side (16 bytes of nibbles, or 32 bytes). One load of them, a widening to float32 and
+d * q (+ m) give the weights of 16 output rows at two channels as two 16-lane vectors. Each is
+then multiplied by one activation of a row (broadcast from memory into all lanes) and added to
+that row's 16 outputs: an outer product, so each accumulator holds 16 outputs, there is no
+horizontal sum at the end, and the rebuilt weights are reused across every activation row in
+registers.
 
 The 32 vector registers of AVX-512 hold 16 accumulators in three shapes, picked by the rows left:
-8 activation rows by 2 panels (from 5 rows: decoding 2 panels per 32 multiply-adds keeps the
-loads and the decode below the arithmetic), 4 by 4 (2 to 4 rows), 1 by 4 (one row: 4 panels keep
-4 independent sums in flight). Rows past the last repeat it, panels past the last repeat it;
-neither is written. Each call covers UNIT panels, the unit threads split; while it multiplies a
-block of 32 channels, the same block of the panels after it is prefetched into L2, so their reads
-overlap this arithmetic instead of following it (the README's speed section: the GEMV alone).
+8 activation rows by 2 panels (from 5 rows; at 16 rows as fast as 16 rows by one panel, which
+decodes half as often but needs a broadcast load per multiply-add, and twice as fast at 8), 4 by 4
+(2 to 4 rows), 1 by 4 (one row: 4 panels keep 4 independent sums in flight). Rows past the last
+repeat it, panels past the last repeat it; neither is written. Each call covers UNIT panels, the
+unit threads split; while it multiplies a block of 32 channels, the same block of the panels
+after it is prefetched into L2, so their reads overlap this arithmetic instead of following it
+(the README's speed section: the GEMV alone).
 """
 
 from __future__ import annotations
@@ -33,25 +35,38 @@ LINE = 64  # bytes per cache line
 
 def _weights(w, panel, group, pair):
     """Panel `panel`'s 16 rows at channels 2 * (group * PAIRS + pair) and the next, as two 16-lane
-    float32 vectors rebuilt from their codes (d and m are loop-invariant across a group's pairs:
-    LLVM loads them once per group)."""
-    groups = w.scales.shape[1]
-    at = (panel * groups + group) * PANEL
+    float32 vectors rebuilt from their codes: 4-bit codes (uint8, Q4_1) as d * q + m (two nibble
+    planes of one 16-byte load), 8-bit ones (int8, Q8_0) as d * q. d and m are the same for a
+    group's pairs: LLVM loads them once per group. numba compiles the format's own version."""
+    return _weights4(w, panel, group, pair)
+
+
+def _weights4(w, panel, group, pair):
+    at = (panel * w.scales.shape[1] + group) * PANEL
     d, m = load(w.scales, at, PANEL), load(w.mins, at, PANEL)
-    byte = ((panel * groups + group) * PAIRS + pair) * PANEL
+    byte = (panel * w.codes.shape[1] + group * PAIRS + pair) * PANEL
     even = fma(to_float(plane_lanes(w.codes, byte, 0, PANEL, 4, PANEL)), d, m)
     odd = fma(to_float(plane_lanes(w.codes, byte, PANEL, PANEL, 4, PANEL)), d, m)
     return even, odd
 
 
+def _weights8(w, panel, group, pair):
+    d = load(w.scales, (panel * w.scales.shape[1] + group) * PANEL, PANEL)
+    byte = (panel * w.codes.shape[1] + group * PAIRS + pair) * 2 * PANEL
+    return (to_float(load(w.codes, byte, PANEL)) * d,
+            to_float(load(w.codes, byte + PANEL, PANEL)) * d)
+
+
 def _prefetch_group(w, panel, group):
-    """Group `group` of panel `panel` (its 16 bytes of codes per pair, d and m) into L2."""
-    groups = w.scales.shape[1]
-    byte = (panel * groups + group) * PAIRS * PANEL
-    for line in range(PAIRS * PANEL // LINE):
+    """Group `group` of panel `panel` (its codes, d and m) into L2."""
+    per_pair = w.codes.shape[2]  # bytes of codes: 16 (4-bit) or 32 (8-bit)
+    byte = (panel * w.codes.shape[1] + group * PAIRS) * per_pair
+    for line in range(PAIRS * per_pair // LINE):
         prefetch_l2(w.codes, byte + line * LINE)
-    prefetch_l2(w.scales, (panel * groups + group) * PANEL)
-    prefetch_l2(w.mins, (panel * groups + group) * PANEL)
+    at = (panel * w.scales.shape[1] + group) * PANEL
+    prefetch_l2(w.scales, at)
+    if w.mins.size:
+        prefetch_l2(w.mins, at)
 
 
 def _two_panels(x, at, w0, w1, a, b):
@@ -176,7 +191,13 @@ def panels_product(x, w, y, unit):
 
 
 if AVAILABLE:
-    _weights = njit(inline="always", cache=True)(_weights)
+    from numba import types
+    from numba.extending import overload
+
+    @overload(_weights, inline="always")
+    def _weights_for(w, panel, group, pair):
+        return _weights8 if w.types[0].dtype == types.int8 else _weights4
+
     _prefetch_group = njit(inline="always", cache=True)(_prefetch_group)
     _two_panels = njit(inline="always", cache=True)(_two_panels)
     _four_panels = njit(inline="always", cache=True)(_four_panels)

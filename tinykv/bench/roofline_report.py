@@ -82,7 +82,7 @@ def render(results: dict) -> str:
     """The README section: per thread count, the bandwidth line and the attention, roofline and
     ratio tables."""
     packed = results["config"].get("packed_weights", 0)
-    how = f", {packed} matrices of them packed (4-bit codes)" if packed else ""
+    how = f", {packed} matrices of them packed (4- or 8-bit codes)" if packed else ""
     out = ["## Roofline", "", f"`{results.get('command', 'bench roofline')}`; weights read per "
            f"step: {results['weight_bytes'] / 1e6:.0f} MB{how}.", ""]
     for run in results["runs"]:

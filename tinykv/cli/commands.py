@@ -105,10 +105,10 @@ def pack_weights(model: Transformer) -> None:
     that says how many."""
     from ..packed import pack_model
     packed = pack_model(model)
-    total = sum(isinstance(m, Linear) and m is not model.lm_head for m in model.modules())
-    note = "" if packed else " (none came from 4-bit blocks, or numba is missing)"
-    print(f"[tinykv] packed weights: {packed} of {total} linear layers read in 4-bit codes{note}",
-          file=sys.stderr, flush=True)
+    total = sum(isinstance(m, Linear) for m in model.modules())
+    note = "" if packed else " (none came from 4- or 8-bit blocks, or numba is missing)"
+    print(f"[tinykv] packed weights: {packed} of {total} linear layers read as their 4- or 8-bit "
+          f"codes{note}", file=sys.stderr, flush=True)
 
 
 def one_line(e: BaseException, limit: int = 300) -> str:

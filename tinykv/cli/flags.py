@@ -181,8 +181,9 @@ def add_model_args(ap: argparse.ArgumentParser, threads: int = DEFAULT_THREADS) 
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                     help="default: float32 on the CPU, bfloat16 on CUDA")
     ap.add_argument("--packed-weights", action="store_true",
-                    help="CPU decode: read float32 weights that came from 4-bit blocks (the "
-                         "default model's Q4_1) in those 4-bit codes, the same weights bit for bit")
+                    help="CPU decode: read float32 weights that came from 4- or 8-bit blocks "
+                         "(the default model's Q4_1 and Q8_0) as those codes, the same weights "
+                         "bit for bit")
     help_text = THREADS_HELP if threads == DEFAULT_THREADS else "torch CPU threads"
     ap.add_argument("--threads", type=int_range(1, usable_cores()), default=threads, metavar="N",
                     help=help_text)
