@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from .gemv_tiles import _FASTMATH, _lane
 from .kernels.cpu_numerics import AVAILABLE, njit, prefetch_l2
-from .kernels.cpu_simd import load, plane_lanes, splat, splat_at, to_float
+from .kernels.cpu_simd import load, plane_lanes, splat, splat_at, store, to_float
 from .kernels.cpu_simd_ops import fma
 
 PANEL = 16  # output rows per panel: one 16-lane vector of outputs
@@ -148,14 +148,22 @@ def _row1_panels4(x, w, panels, start):
 
 
 def _write(y, sums, first_row, panels, n_out):
-    """y[first_row + i, panel p's rows] = sums[i * len(panels) + p], inside y (B, n_out)."""
+    """y[first_row + i, panel p's rows] = sums[i * len(panels) + p], inside y (B, n_out): a
+    vector store where the panel's 16 outputs are all inside a C-contiguous y, else lane by
+    lane."""
     per_row = len(panels)
     for i in range(len(sums) // per_row):
+        row = first_row + i
+        if row >= y.shape[0]:
+            break
         for p in range(per_row):
+            col = panels[p] * PANEL
+            if col + PANEL <= n_out and y.flags.c_contiguous:
+                store(y, row * y.shape[1] + col, sums[i * per_row + p])
+                continue
             for lane in range(PANEL):
-                col = panels[p] * PANEL + lane
-                if first_row + i < y.shape[0] and col < n_out:
-                    y[first_row + i, col] = _lane(sums[i * per_row + p], lane)
+                if col + lane < n_out:
+                    y[row, col + lane] = _lane(sums[i * per_row + p], lane)
 
 
 def _start(row, last, k):
