@@ -75,10 +75,19 @@ def _two_panels(x, at, w0, w1, a, b):
     return fma(x1, w0[1], fma(x0, w0[0], a)), fma(x1, w1[1], fma(x0, w1[0], b))
 
 
-def _four_panels(x0, x1, w, a0, a1, a2, a3):
-    """One row's two channels (x0, x1: broadcast) into four panels' sums (w: their weights)."""
-    return (fma(x1, w[0][1], fma(x0, w[0][0], a0)), fma(x1, w[1][1], fma(x0, w[1][0], a1)),
-            fma(x1, w[2][1], fma(x0, w[2][0], a2)), fma(x1, w[3][1], fma(x0, w[3][0], a3)))
+def _four_weights(w, panels, group, pair):
+    """The weights of 4 panels at a channel pair (_weights of each)."""
+    p0, p1, p2, p3 = panels
+    return (_weights(w, p0, group, pair), _weights(w, p1, group, pair),
+            _weights(w, p2, group, pair), _weights(w, p3, group, pair))
+
+
+def _four_panels(x, at, ws, a0, a1, a2, a3):
+    """One row's two channels (flat at and at + 1 in x) into four panels' sums (ws: their
+    weights)."""
+    x0, x1 = splat_at(x, at, PANEL), splat_at(x, at + 1, PANEL)
+    return (fma(x1, ws[0][1], fma(x0, ws[0][0], a0)), fma(x1, ws[1][1], fma(x0, ws[1][0], a1)),
+            fma(x1, ws[2][1], fma(x0, ws[2][0], a2)), fma(x1, ws[3][1], fma(x0, ws[3][0], a3)))
 
 
 def _rows8_panels2(x, w, p0, p1, starts):
@@ -106,43 +115,30 @@ def _rows8_panels2(x, w, p0, p1, starts):
 def _rows4_panels4(x, w, panels, starts):
     """Sums of 4 activation rows (flat starts) by 4 panels, row by row."""
     s0, s1, s2, s3 = starts
-    p0, p1, p2, p3 = panels
     a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = splat(0.0, PANEL)  # a<row><panel>
     a20 = a21 = a22 = a23 = a30 = a31 = a32 = a33 = splat(0.0, PANEL)
     for group in range(w.scales.shape[1]):
         for p in panels:
             _prefetch_group(w, p + UNIT, group)
         for pair in range(PAIRS):
-            ws = (_weights(w, p0, group, pair), _weights(w, p1, group, pair),
-                  _weights(w, p2, group, pair), _weights(w, p3, group, pair))
+            ws = _four_weights(w, panels, group, pair)
             c = 2 * (group * PAIRS + pair)
-            a00, a01, a02, a03 = _four_panels(splat_at(x, s0 + c, PANEL),
-                                              splat_at(x, s0 + c + 1, PANEL), ws,
-                                              a00, a01, a02, a03)
-            a10, a11, a12, a13 = _four_panels(splat_at(x, s1 + c, PANEL),
-                                              splat_at(x, s1 + c + 1, PANEL), ws,
-                                              a10, a11, a12, a13)
-            a20, a21, a22, a23 = _four_panels(splat_at(x, s2 + c, PANEL),
-                                              splat_at(x, s2 + c + 1, PANEL), ws,
-                                              a20, a21, a22, a23)
-            a30, a31, a32, a33 = _four_panels(splat_at(x, s3 + c, PANEL),
-                                              splat_at(x, s3 + c + 1, PANEL), ws,
-                                              a30, a31, a32, a33)
+            a00, a01, a02, a03 = _four_panels(x, s0 + c, ws, a00, a01, a02, a03)
+            a10, a11, a12, a13 = _four_panels(x, s1 + c, ws, a10, a11, a12, a13)
+            a20, a21, a22, a23 = _four_panels(x, s2 + c, ws, a20, a21, a22, a23)
+            a30, a31, a32, a33 = _four_panels(x, s3 + c, ws, a30, a31, a32, a33)
     return (a00, a01, a02, a03, a10, a11, a12, a13, a20, a21, a22, a23, a30, a31, a32, a33)
 
 
 def _row1_panels4(x, w, panels, start):
     """Sums of one activation row (flat start) by 4 panels."""
-    p0, p1, p2, p3 = panels
     a0 = a1 = a2 = a3 = splat(0.0, PANEL)
     for group in range(w.scales.shape[1]):
         for p in panels:
             _prefetch_group(w, p + UNIT, group)
         for pair in range(PAIRS):
-            ws = (_weights(w, p0, group, pair), _weights(w, p1, group, pair),
-                  _weights(w, p2, group, pair), _weights(w, p3, group, pair))
-            c = start + 2 * (group * PAIRS + pair)
-            a0, a1, a2, a3 = _four_panels(splat_at(x, c, PANEL), splat_at(x, c + 1, PANEL), ws,
+            ws = _four_weights(w, panels, group, pair)
+            a0, a1, a2, a3 = _four_panels(x, start + 2 * (group * PAIRS + pair), ws,
                                           a0, a1, a2, a3)
     return (a0, a1, a2, a3)
 
@@ -208,6 +204,7 @@ if AVAILABLE:
 
     _prefetch_group = njit(inline="always", cache=True)(_prefetch_group)
     _two_panels = njit(inline="always", cache=True)(_two_panels)
+    _four_weights = njit(inline="always", cache=True)(_four_weights)
     _four_panels = njit(inline="always", cache=True)(_four_panels)
     _start = njit(inline="always", cache=True)(_start)
     _rows8_panels2 = njit(fastmath=_FASTMATH, cache=True)(_rows8_panels2)
