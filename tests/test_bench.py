@@ -185,6 +185,34 @@ def test_profile_splits_a_decode_step(tiny):
     assert math.isclose(r["linear"] + r["rest"], r["ms_per_token"], rel_tol=1e-9)
     assert (F.linear, Linear.forward, RMSNorm.forward, torch.nn.LayerNorm.forward, KVPools.write,
             PagedKVCache.attend) == before
-    alone = bp.linear_alone(model, reps=1)
-    assert [r["path"] for r in alone] == ["F.linear", "model (linear_cpu)"]
+    alone = bp.linear_alone(model, rows=(1, 3), reps=1)
+    assert [(r["path"], r["rows"]) for r in alone] == [
+        ("F.linear", 1), ("model (linear_cpu)", 1), ("F.linear", 3), ("model (linear_cpu)", 3)]
     assert all(r["ms"] > 0 and r["products"] == 2 * 4 + 1 for r in alone)
+
+
+def test_profile_times_packed_weights_beside_their_float32_selves(tiny):
+    """With a packed matrix (--packed-weights), the linear layers alone also run the model's
+    product on the float32 weights, and the packed path counts the bytes it reads."""
+    import copy
+
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    from tinykv import gemv, packed
+    from tinykv.bench import profile as bp
+
+    if not gemv.AVAILABLE:
+        pytest.skip("numba is not installed: nothing packs")
+    model = copy.deepcopy(tiny[2])
+    w = model.layers[0].mlp.w_in.weight
+    kind = GGMLQuantizationType.Q4_1
+    blocks = dequantize(quantize(w.detach().numpy(), kind), kind).reshape(w.shape)
+    w.data = torch.from_numpy(blocks.astype("float32"))
+    assert packed.pack_model(model) == 1
+    alone = {r["path"]: r for r in bp.linear_alone(model, reps=1)}
+    plain = alone["model (linear_cpu), float32 weights"]
+    assert list(alone) == ["F.linear", "model (linear_cpu)", "model (linear_cpu), float32 weights"]
+    assert plain["weight_bytes"] == alone["F.linear"]["weight_bytes"]
+    saved = w.nbytes - packed.packed_bytes(w)
+    assert alone["model (linear_cpu)"]["weight_bytes"] == plain["weight_bytes"] - saved > 0

@@ -315,6 +315,8 @@ PARSE_ERRORS = [
     ("peers-no-speed-contexts", ["bench", "peers", "--no-speed", "--contexts", "100"],
      "--no-speed"),
     ("peers-packed-weights", ["bench", "peers", "--packed-weights"], "--packed-weights"),
+    ("profile-linear-rows-0", ["bench", "profile", "--linear-rows", "0"], "--linear-rows"),
+    ("profile-linear-rows-junk", ["bench", "profile", "--linear-rows", "x"], "--linear-rows"),
 ]
 
 # Found before the model loads (every case names --weights, so none could fetch).

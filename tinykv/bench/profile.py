@@ -7,8 +7,10 @@ the cache's `write` (quantize on store) and `attend`, and the rest (sampling, Py
 transformers' step into its linear layers (F.linear) and the rest, from its first new token to its
 last. Timers wrap those functions for the run only.
 
-Then the linear layers alone: the model's weight matrices, one activation row each, through
-F.linear and through the product the model chose (gemv.py), interleaved, with the read rate.
+Then the linear layers alone: the model's weight matrices, with a few activation rows each
+(--linear-rows), through F.linear and through the product the model chose (gemv.py), and where
+weights are packed (--packed-weights) through that product on the float32 weights too,
+interleaved, with the bytes each path reads and the read rate.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch.nn.functional as F
 from ..cache import PagedKVCache, make_cache
 from ..generate import Engine, Sampling
 from ..model import Linear, Transformer
+from ..packed import packed_arrays, packed_bytes
 from ..pools import KVPools
 
 PARTS = ["linear", "cache.write", "cache.attend"]
@@ -152,8 +155,10 @@ def _row(engine: str, kv: str, prompt: int, total: float, acc: Counter, steps: i
 
 
 def run(model: Transformer, weights: Path, text: str, prompts: list[int], n_new: int = 32,
-        specs: list[str] | None = None, transformers: bool = True) -> list[dict]:
-    """Profile rows for each prompt length and spec (and transformers), printed as they come."""
+        specs: list[str] | None = None, transformers: bool = True,
+        linear_rows: tuple[int, ...] = (1,)) -> list[dict]:
+    """Profile rows for each prompt length and spec (and transformers), printed as they come,
+    after the linear layers alone at each of `linear_rows`."""
     from ..tokenizer import Tokenizer
 
     specs = specs or ["fp16", "int8", "int4"]
@@ -166,9 +171,10 @@ def run(model: Transformer, weights: Path, text: str, prompts: list[int], n_new:
         hf = tf.AutoModelForCausalLM.from_pretrained(weights, dtype=model.embed.weight.dtype)
         hf = hf.eval()
     rows = []
-    for r in linear_alone(model):
-        print(f"linear alone: {r['path']:28} {r['products']} products, "
-              f"{r['weight_bytes'] / 1e6:.0f} MB: {r['ms']:.1f} ms, {r['gb_s']:.1f} GB/s")
+    for r in linear_alone(model, linear_rows):
+        print(f"linear alone, {r['rows']:>2} rows: {r['path']:45} {r['products']} products, "
+              f"{r['weight_bytes'] / 1e6:.0f} MB: {r['ms']:.1f} ms, {r['gb_s']:.1f} GB/s",
+              flush=True)
     head = " ".join(f"{k:>12}" for k in PARTS + ["rest"])
     print(f"{'engine / KV':24} {'prompt':>6} {'ms/token':>9} {head}")
     engines = [*specs, *([None] if hf is not None else [])]  # None: transformers
@@ -188,24 +194,35 @@ def run(model: Transformer, weights: Path, text: str, prompts: list[int], n_new:
     return rows
 
 
-def linear_alone(model: Transformer, reps: int = 5) -> list[dict]:
-    """The model's linear layers, one activation row each (a decode step's products, the tied
-    head once), through F.linear and the model's own product, interleaved: best total ms of
-    `reps` and the weights' read rate."""
+def linear_alone(model: Transformer, rows: tuple[int, ...] = (1,), reps: int = 5) -> list[dict]:
+    """The model's linear layers (a decode step's products, the tied head once) with each count
+    of activation rows, through F.linear and the model's own product, and, where some weights are
+    packed, the model's product on the float32 weights too (a detached view carries no packed
+    arrays), interleaved: best total ms of `reps`, the bytes each path reads and their rate."""
     layers = list(dict.fromkeys(m for m in model.modules() if isinstance(m, Linear)))
-    xs = {m: torch.randn(1, m.in_features, dtype=m.weight.dtype) for m in layers}
     product = layers[0].product
     name = getattr(product, "func", product).__name__  # a partial: the kernel it calls
-    paths = {"F.linear": F.linear, f"model ({name})": product}
-    best = dict.fromkeys(paths, float("inf"))
-    with torch.inference_mode():
-        for rep in range(reps + 1):  # the first round warms up (JIT, allocator)
-            for name, product in paths.items():
-                t0 = time.perf_counter()
-                for m in layers:
-                    product(xs[m], m.weight, m.bias)
-                if rep:
-                    best[name] = min(best[name], time.perf_counter() - t0)
-    nbytes = sum(m.weight.nbytes for m in layers)
-    return [{"path": name, "products": len(layers), "weight_bytes": nbytes, "ms": 1e3 * t,
-             "gb_s": nbytes / t / 1e9} for name, t in best.items()]
+    plain = {m: m.weight.detach() for m in layers}  # the float32 weights as they are
+    as_loaded = {m: m.weight for m in layers}  # packed ones read packed
+    float32_bytes = sum(m.weight.nbytes for m in layers)
+    read = sum(packed_bytes(w) for w in as_loaded.values())
+    paths = {"F.linear": (F.linear, plain, float32_bytes),
+             f"model ({name})": (product, as_loaded, read)}
+    if any(packed_arrays(w) is not None for w in as_loaded.values()):
+        paths[f"model ({name}), float32 weights"] = (product, plain, float32_bytes)
+    out = []
+    for n in rows:
+        xs = {m: torch.randn(n, m.in_features, dtype=m.weight.dtype) for m in layers}
+        best = dict.fromkeys(paths, float("inf"))
+        with torch.inference_mode():
+            for rep in range(reps + 1):  # the first round warms up (JIT, allocator)
+                for path, (fn, weights, _) in paths.items():
+                    t0 = time.perf_counter()
+                    for m in layers:
+                        fn(xs[m], weights[m], m.bias)
+                    if rep:
+                        best[path] = min(best[path], time.perf_counter() - t0)
+        out += [{"path": path, "rows": n, "products": len(layers), "weight_bytes": nbytes,
+                 "ms": 1e3 * best[path], "gb_s": nbytes / best[path] / 1e9}
+                for path, (_, _, nbytes) in paths.items()]
+    return out

@@ -34,7 +34,7 @@ def cmd_bench(args) -> None:
         model, path = load_model(args)
         specs = [str(s) for s in args.kv] if args.kv else None
         profile.run(model, path, text, args.prompt, args.new, specs,
-                    transformers=not args.no_transformers)
+                    transformers=not args.no_transformers, linear_rows=tuple(args.linear_rows))
         return None
     from ..bench import e2e
 

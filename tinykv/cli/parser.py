@@ -260,6 +260,8 @@ def add_profile_parser(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv", type=kv_spec, nargs="+", metavar="SPEC", help="tinykv KV specs")
     p.add_argument("--text", metavar="FILE", help="text to cut the prompt from (default: shipped)")
     p.add_argument("--no-transformers", action="store_true", help="tinykv only")
+    p.add_argument("--linear-rows", type=int_range(1, 256), nargs="+", default=[1], metavar="N",
+                   help="activation rows for the linear layers alone (a batch's decode rows)")
     add_model_args(p, threads=1)
     p.set_defaults(prog=p.prog)
 
