@@ -19,7 +19,7 @@ it), like the attention kernels: `linear_cpu` where numba is installed and the w
 CPU, else model.fused_linear (torch); gemv_layer.py builds a whole decode layer's two calls on the
 same GEMV. Weights may be float32, bfloat16 or float16: half weights travel as integer bits and
 are widened in registers (numba has no float16 on the CPU), accumulation is float32 either way;
-weights packed from 4-bit blocks (packed.py) go through gemv_packed.py's loops.
+weights packed from 4- or 8-bit blocks (packed.py) go through gemv_packed.py's loops.
 
 torch's RMSNorm on the CPU is several small operations, each with a fixed cost; a decode step
 runs two per layer on a few rows, where that cost is all there is. The norm is fused before the
@@ -115,7 +115,7 @@ def _gemv_block(x, w, y, block):
 
 
 # numba's disk cache watches only the file that defines a function: the linear kernels inline
-# gemv_tiles.py too (and kernels/cpu_simd*.py, which kernel()'s key covers), so theirs hashes both
+# the GEMV's loop files too (and kernels/cpu_simd*.py, which kernel()'s key covers): all hashed
 _SOURCES = hashlib.sha256(b"".join((Path(__file__).parent / name).read_bytes()
                                    for name in ("gemv.py", "gemv_tiles.py", "gemv_packed.py")))
 _SOURCES = _SOURCES.hexdigest()
