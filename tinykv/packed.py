@@ -59,20 +59,19 @@ def pack(weight: torch.Tensor) -> Packed | None:
     n, k = weight.shape
     blocks = weight.detach().reshape(n, k // GROUP, GROUP)  # (N, K/32, 32)
     found = _q4_1(blocks)
-    if found is not None:
-        codes, scales, mins = found
-        pairs = _padded(codes.view(n, k), n).view(-1, PANEL, k // 2, 2)  # (P, 16, K/2, 2)
+    if found is None:
+        found = _q8_0(blocks)
+    if found is None:
+        return None
+    codes, scales, mins = found
+    pairs = _padded(codes.view(n, k)).view(-1, PANEL, k // 2, 2)  # (P, 16, K/2, 2)
+    if codes.dtype == torch.uint8:  # Q4_1: a channel pair's two codes in one byte
         nibbles = pairs[..., 0] | (pairs[..., 1] << 4)  # (P, 16, K/2)
         return Packed(nibbles.transpose(1, 2).contiguous().numpy(), _by_panel(scales),
                       _by_panel(mins), n)
-    found = _q8_0(blocks)
-    if found is not None:
-        codes, scales = found
-        pairs = _padded(codes.view(n, k), n).view(-1, PANEL, k // 2, 2)  # (P, 16, K/2, 2)
-        side_by_side = pairs.permute(0, 2, 3, 1).reshape(-1, k // 2, 2 * PANEL)  # (P, K/2, 32)
-        return Packed(side_by_side.contiguous().numpy(), _by_panel(scales),
-                      np.zeros(0, np.float32), n)
-    return None
+    side_by_side = pairs.permute(0, 2, 3, 1).reshape(-1, k // 2, 2 * PANEL)  # (P, K/2, 32)
+    return Packed(side_by_side.contiguous().numpy(), _by_panel(scales), np.zeros(0, np.float32),
+                  n)
 
 
 def _q4_1(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -86,11 +85,10 @@ def _q4_1(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     return _codes(blocks, (high - low) / LEVELS, low, 0, LEVELS, torch.uint8)
 
 
-def _q8_0(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(codes (N, K/32, 32) int8, d (N, K/32)) with d * q == blocks (N, K/32, 32)."""
-    found = _codes(blocks, blocks.abs().amax(-1) / LIMIT, torch.zeros(blocks.shape[:2]), -LIMIT,
-                   LIMIT, torch.int8)
-    return None if found is None else found[:2]
+def _q8_0(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(codes (N, K/32, 32) int8, d, m = 0 (N, K/32)) with d * q == blocks (N, K/32, 32)."""
+    return _codes(blocks, blocks.abs().amax(-1) / LIMIT, torch.zeros(blocks.shape[:2]), -LIMIT,
+                  LIMIT, torch.int8)
 
 
 def _codes(blocks, estimate, low, least, most, dtype):
@@ -114,16 +112,16 @@ def _codes(blocks, estimate, low, least, most, dtype):
     return (codes, scales, low) if found.all() else None
 
 
-def _padded(rows: torch.Tensor, n: int) -> torch.Tensor:
+def _padded(rows: torch.Tensor) -> torch.Tensor:
     """rows (N, ...) with zero rows after them up to a whole number of panels."""
-    out = rows.new_zeros((-(-n // PANEL) * PANEL, *rows.shape[1:]))
-    out[:n] = rows
+    out = rows.new_zeros((-(-rows.shape[0] // PANEL) * PANEL, *rows.shape[1:]))
+    out[:rows.shape[0]] = rows
     return out
 
 
 def _by_panel(per_block: torch.Tensor) -> np.ndarray:
     """(N, K/32) -> (P, K/32, 16): each panel's 16 rows side by side."""
-    padded = _padded(per_block, per_block.shape[0])
+    padded = _padded(per_block)
     return padded.view(-1, PANEL, padded.shape[1]).transpose(1, 2).contiguous().numpy()
 
 
