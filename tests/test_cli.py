@@ -314,7 +314,6 @@ PARSE_ERRORS = [
     ("readme-and-quick", ["bench", "--readme", "{empty_json}", "--quick"], "--readme"),
     ("peers-no-speed-contexts", ["bench", "peers", "--no-speed", "--contexts", "100"],
      "--no-speed"),
-    ("peers-packed-weights", ["bench", "peers", "--packed-weights"], "--packed-weights"),
     ("profile-linear-rows-0", ["bench", "profile", "--linear-rows", "0"], "--linear-rows"),
     ("profile-linear-rows-junk", ["bench", "profile", "--linear-rows", "x"], "--linear-rows"),
 ]
@@ -424,6 +423,8 @@ MODEL_ERRORS = [
                             "{text}", "--window", "64"], "finite"),
     ("eval-window-over-context", ["eval", "--weights", "{tiny}", "--text", "{text}",
                                   "--window", "1000"], "context"),
+    ("peers-packed-float-weights", ["bench", "peers", "--weights", "{tiny}", "--packed-weights",
+                                    "--out", "{out}"], "bench peers needs every one packed"),
     ("bench-quality-length", ["bench", "quality", "--weights", "{tiny}", "--no-ppl",
                               "--lengths", "100000", "--out", "{out}"], "context"),
     # model folders with a field of the wrong type: the file and the field, in one line

@@ -10,7 +10,8 @@ import pytest
 import torch
 from hf_tiny import make_hf_model
 
-from tinykv.bench import peers
+from tinykv import packed
+from tinykv.bench import ceilings, peer_weights, peers
 from tinykv.model import Transformer
 
 
@@ -67,7 +68,7 @@ def test_without_the_extra_the_llama_columns_say_how_to_get_them(tiny, monkeypat
     ids = torch.randint(3, 256, (400,), generator=torch.Generator().manual_seed(0)).tolist()
     cfg = dict(contexts=[40, 90], specs=["fp16", "int8"], threads=1, rounds=2, new=3, ppl=True,
                offset=0, ppl_tokens=100, window=50, chunk=16, bw_mib=8,
-               llama_kv=list(peers.LLAMA_TYPES))
+               llama_kv=list(peers.LLAMA_TYPES), packed=False)
     res = peers.collect(model, d, ids, cfg, lambda _: None)
     assert res["config"]["how_to_get"] == peers.HOW_TO_GET and "gguf" not in res
     rows = {(r["engine"], r["kv"], r["context"]): r for r in res["rows"]}
@@ -100,3 +101,50 @@ def test_without_the_extra_the_llama_columns_say_how_to_get_them(tiny, monkeypat
     assert peers.chart({**res, "rows": []}, tmp_path / "none.png") is None  # --no-speed
     png = peers.chart(res, tmp_path / "peers.png")
     assert png is None or (tmp_path / "peers.png").stat().st_size > 0
+
+
+def test_gguf_weight_bytes_count_the_embedding_only_where_it_is_the_output(tmp_path):
+    def write(path, names):
+        w = gguf.GGUFWriter(path, "llama")
+        shapes = {"token_embd.weight": (6, 8), "output.weight": (4, 8), "blk.0.x.weight": (2, 8)}
+        for name in names:
+            w.add_tensor(name, np.zeros(shapes[name], np.float32))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        return path
+    untied = write(tmp_path / "untied.gguf", ["token_embd.weight", "output.weight",
+                                              "blk.0.x.weight"])
+    tied = write(tmp_path / "tied.gguf", ["token_embd.weight", "blk.0.x.weight"])
+    assert peer_weights.gguf_weight_bytes(untied) == (4 * 8 + 2 * 8) * 4  # rows gathered
+    assert peer_weights.gguf_weight_bytes(tied) == (6 * 8 + 2 * 8) * 4  # read whole, as the head
+
+
+def test_packed_peers_read_the_source_gguf_blocks(smollm2_dir, monkeypatch):
+    """--packed-weights: the source GGUF's own blocks are the model's weights exactly, every
+    linear layer packs from them, and each engine's roofline counts the bytes it reads (no
+    llama.cpp needed)."""
+    src = peer_weights.source_gguf(smollm2_dir)
+    check = peer_weights.same_weights(src, smollm2_dir)
+    assert check["all_equal"] and check["equal"] == check["tensors"] > 200
+    model = Transformer.from_pretrained(smollm2_dir, device="cpu")
+    float32_bytes = ceilings.weight_bytes(model)
+    with pytest.raises(ValueError, match="0 of 121 linear layers"):
+        peer_weights.check_packed(model)
+    assert packed.pack_model(model) == 121
+    peer_weights.check_packed(model)  # every one: no error
+    monkeypatch.setattr(peers, "llama_available", lambda: False)
+    ids = list(range(100, 160))
+    cfg = dict(contexts=[30], specs=["int8"], threads=1, rounds=1, new=2, ppl=False, offset=0,
+               ppl_tokens=0, window=50, chunk=16, bw_mib=8, llama_kv=["q8_0"], packed=True)
+    res = peers.collect(model, smollm2_dir, ids, cfg, lambda _: None)
+    in_gguf = sum(int(t.n_bytes) for t in gguf.GGUFReader(src).tensors)  # tied: all are read
+    assert res["llama_weight_bytes"] == in_gguf < res["weight_bytes"] < float32_bytes / 3
+    bw = res["bandwidth"]["gb_s"] * 1e9
+    for r in res["rows"]:
+        read = res["weight_bytes"] if r["engine"] == "tinykv" else in_gguf
+        kv = r["kv_tokens_mean"] * r["kv_bytes_per_token"]
+        assert r["roofline_tok_s"] == pytest.approx(bw / (read + kv))
+    res.update(command="bench peers --packed-weights", machine={"cpu": "test cpu"})
+    assert "(packed), llama.cpp" in peers.render(res)

@@ -1,10 +1,14 @@
 """llama.cpp as a peer, `python -m tinykv bench peers`: the same weights, prompts and threads.
 
-- The weights: the default model's folder holds the GGUF that fetch.py converted (Q4_1). Every
-  tensor is dequantized and written back as an F32 GGUF (`write_f32_gguf`), with its metadata and
-  llama.cpp's own Q/K row order, into a temporary folder removed after the run. fetch.py's
-  converter reads that F32 GGUF back, and each tensor must equal model.safetensors exactly
-  (`same_weights`): both engines multiply the same numbers.
+- The weights: the default model's folder holds the GGUF that fetch.py converted (Q4_1, its
+  embedding Q8_0). Every tensor is dequantized and written back as an F32 GGUF
+  (`write_f32_gguf`), with its metadata and llama.cpp's own Q/K row order, into a temporary
+  folder removed after the run. fetch.py's converter reads that F32 GGUF back, and each tensor
+  must equal model.safetensors exactly (`same_weights`): both engines multiply the same numbers.
+- With --packed-weights both engines read the GGUF's own 4- and 8-bit blocks: llama.cpp the GGUF
+  itself (checked as above: its blocks dequantize to model.safetensors exactly), tinykv every
+  linear layer packed from those numbers (packed.py keeps a layer only where its codes give back
+  every weight bit for bit). Each engine's roofline counts the weight bytes it reads.
 - Speed: per context, the same prompt (cut from the text) is prefilled once by every engine
   (tinykv per KV spec, llama.cpp per cache type), then decoded for `rounds` rounds of `new` greedy
   tokens, the engines taking turns in a rotated order, so drift hits each alike; one decode step
@@ -35,6 +39,7 @@ from ..cache import make_cache
 from ..generate import Engine, Sampling
 from ..model import Transformer
 from ..outputs import write_text
+from .peer_weights import check_packed, gguf_weight_bytes, same_weights, source_gguf, write_f32_gguf
 
 HOW_TO_GET = "pip install -e '.[peers]'"
 # llama.cpp's cache types (ggml type ids) and the tinykv spec of about the same bits
@@ -47,57 +52,6 @@ Tick = Callable[[str], None]
 
 def llama_available() -> bool:
     return importlib.util.find_spec("llama_cpp") is not None
-
-
-# ---- the same weights ----------------------------------------------------------------------------
-def source_gguf(weights: Path) -> Path:
-    """The GGUF in a model folder (fetch.py leaves the original beside the converted weights)."""
-    found = sorted(Path(weights).glob("*.gguf"))
-    if not found:
-        raise FileNotFoundError(f"no .gguf in {weights}: bench peers needs the GGUF the weights "
-                                "came from (python -m tinykv fetch leaves it there)")
-    return found[0]
-
-
-def write_f32_gguf(src: Path, dst: Path) -> int:
-    """Every tensor of GGUF `src` dequantized to float32 into a new GGUF `dst`: the metadata and
-    the tensors' order, names and rows (llama.cpp's Q/K permutation included) as they were, the
-    file type F32. Returns the number of tensors."""
-    import gguf
-
-    reader = gguf.GGUFReader(src)
-    arch = reader.fields["general.architecture"].contents()
-    writer = gguf.GGUFWriter(dst, arch)
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key in ("general.architecture", "general.file_type"):
-            continue  # the writer writes the header, the architecture and the file type itself
-        kind = field.types[0]
-        sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(key, field.contents(), kind, sub_type=sub)
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
-    for t in reader.tensors:
-        w = np.asarray(gguf.dequantize(t.data, t.tensor_type), dtype=np.float32)
-        writer.add_tensor(t.name, w.reshape([int(d) for d in reversed(t.shape)]))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return len(reader.tensors)
-
-
-def same_weights(f32_gguf: Path, weights: Path) -> dict:
-    """fetch.py's converter run on the F32 GGUF (Q/K rows un-permuted), tensor by tensor against
-    the model folder's model.safetensors: counts of tensors and of exactly equal ones."""
-    from safetensors.torch import load_file
-
-    from ..convert import convert_gguf
-
-    with tempfile.TemporaryDirectory(prefix="tinykv-peers-") as tmp:
-        ours = load_file(str(Path(weights) / "model.safetensors"))
-        theirs = load_file(str(convert_gguf(f32_gguf, Path(tmp)) / "model.safetensors"))
-    equal = [n for n, t in theirs.items() if n in ours and torch.equal(ours[n].float(), t)]
-    return {"tensors": len(ours), "in_gguf": len(theirs), "equal": len(equal),
-            "all_equal": len(equal) == len(ours) == len(theirs)}
 
 
 # ---- llama.cpp -----------------------------------------------------------------------------------
@@ -203,11 +157,11 @@ def time_context(model: Transformer, gguf: Path | None, prompt: list[int], cfg: 
     return rows
 
 
-def add_roofline(rows: list[dict], weight_bytes: int, bandwidth: float) -> None:
-    """Each row's roofline: tok/s if a step read the weights and its mean KV bytes at the
-    measured bandwidth, and the share of it the engine reached."""
+def add_roofline(rows: list[dict], weight_bytes: dict[str, int], bandwidth: float) -> None:
+    """Each row's roofline: tok/s if a step read its engine's weights (weight_bytes by engine) and
+    its mean KV bytes at the measured bandwidth, and the share of it the engine reached."""
     for r in rows:
-        step_bytes = weight_bytes + r["kv_tokens_mean"] * r["kv_bytes_per_token"]
+        step_bytes = weight_bytes[r["engine"]] + r["kv_tokens_mean"] * r["kv_bytes_per_token"]
         r["roofline_tok_s"] = bandwidth * 1e9 / step_bytes
         if r["decode_tok_s"] is not None:
             r["pct_roofline"] = 100 * r["decode_tok_s"] / r["roofline_tok_s"]
@@ -297,26 +251,36 @@ def collect(model: Transformer, weights: Path, ids: list[int], cfg: dict,
     out = {"config": {**cfg, "llama_cpp": _version() if have else None,
                       "flash_attn": {c: flash_attn(c) for c in cfg["llama_kv"]},
                       "how_to_get": None if have else HOW_TO_GET}}
+    # Weight bytes a step reads: float32 in both engines, or each its own packing of the blocks
+    out["weight_bytes"] = weight_bytes(model)
+    out["llama_weight_bytes"] = out["weight_bytes"]
+    if cfg["packed"]:
+        out["llama_weight_bytes"] = gguf_weight_bytes(source_gguf(weights))
     with tempfile.TemporaryDirectory(prefix="tinykv-peers-") as tmp:
         gguf = None
         if have:
             src = source_gguf(weights)
-            gguf = Path(tmp) / "model-f32.gguf"
-            out["gguf"] = {"source": src.name, "tensors": write_f32_gguf(src, gguf),
-                           **same_weights(gguf, weights)}
-            tick("F32 GGUF written and checked")
+            if cfg["packed"]:  # llama.cpp reads the blocks tinykv packed
+                gguf = src
+                out["gguf"] = {"source": src.name, "tensors": None, "packed": True}
+            else:
+                gguf = Path(tmp) / "model-f32.gguf"
+                out["gguf"] = {"source": src.name, "tensors": write_f32_gguf(src, gguf)}
+            out["gguf"].update(same_weights(gguf, weights))
+            tick(f"{gguf.name} checked against {weights}")
             if not out["gguf"]["all_equal"]:
-                raise ValueError(f"the F32 GGUF's tensors differ from {weights}: {out['gguf']}")
+                raise ValueError(f"the tensors of {gguf.name} differ from {weights}: "
+                                 f"{out['gguf']}")
         for spec in cfg["specs"]:  # compile the kernels (numba) before anything is timed
             TinyRunner(model, spec, ids[:40], 2).cache.close()
         out["bandwidth"] = measure_bandwidth(cfg.get("bw_mib", 512), 3)
-        out["weight_bytes"] = weight_bytes(model)
         rows = []
         for ctx in cfg["contexts"]:
             rows += time_context(model, gguf, ids[:ctx], cfg, tick)
         if not have:
             rows += missing_rows(cfg["contexts"], model.cfg, cfg["llama_kv"])
-        add_roofline(rows, out["weight_bytes"], out["bandwidth"]["gb_s"])
+        engine_bytes = {"tinykv": out["weight_bytes"], "llama.cpp": out["llama_weight_bytes"]}
+        add_roofline(rows, engine_bytes, out["bandwidth"]["gb_s"])
         out["rows"], out["ratios"] = rows, ratios(rows)
         if cfg["ppl"]:
             tokens = ids[cfg["offset"]:cfg["offset"] + cfg["ppl_tokens"]]
@@ -343,15 +307,19 @@ def render(res: dict) -> str:
     """The tables: decode tok/s and prefill per engine and context, the ratios, perplexity."""
     from .common import md_table
 
-    bw = res["bandwidth"]
+    bw, packed = res["bandwidth"], res["config"].get("packed")
+    weights = f"{res['weight_bytes'] / 1e6:.0f} MB (float32, both engines)"
+    if packed:
+        weights = (f"tinykv {res['weight_bytes'] / 1e6:.0f} MB (packed), llama.cpp "
+                   f"{res['llama_weight_bytes'] / 1e6:.0f} MB (the GGUF's blocks)")
     out = [f"`{res.get('command', 'bench peers')}`: {res['machine']['cpu']}, "
            f"{res['config']['threads']} thread(s); read bandwidth {bw['gb_s']:.1f} GB/s; "
-           f"weights read per step {res['weight_bytes'] / 1e6:.0f} MB (float32, both engines).",
-           ""]
+           f"weights read per step {weights}.", ""]
     if "gguf" in res:
         g = res["gguf"]
-        out += [f"llama.cpp {res['config']['llama_cpp']} on an F32 GGUF of {g['source']}: "
-                f"{g['equal']} of {g['tensors']} tensors equal to model.safetensors.", ""]
+        read = f"{g['source']} itself" if packed else f"an F32 GGUF of {g['source']}"
+        out += [f"llama.cpp {res['config']['llama_cpp']} on {read}: {g['equal']} of "
+                f"{g['in_gguf']} tensors equal to model.safetensors.", ""]
     rows = [[f"{r['engine']} `{r['kv']}`", r["context"],
              _cell(r["decode_tok_s"], ".1f", r.get("note", "-")),
              _cell(r.get("pct_roofline"), ".0f") + ("%" if r.get("pct_roofline") else ""),
@@ -394,10 +362,11 @@ def chart(res: dict, path: Path) -> str | None:
 def run(model: Transformer, weights: Path, text: str, contexts: list[int], specs: list[str],
         rounds: int, new: int, threads: int, ppl: bool, out: Path, command: str,
         window: int = 1024, offset: int = 0, ppl_tokens: int = 4096, chunk: int = 16,
-        llama_kv: list[str] | None = None) -> dict:
+        llama_kv: list[str] | None = None, packed: bool = False) -> dict:
     """The whole peer benchmark; writes the JSON (under a temporary name, then renamed) and the
     chart beside it, prints the tables. Contexts are cut so that the decode rounds fit the
-    model; perplexity reads ppl_tokens tokens of the text from `offset`."""
+    model; perplexity reads ppl_tokens tokens of the text from `offset`. packed: every linear
+    layer must read packed codes (--packed-weights), and llama.cpp reads the source GGUF."""
     import json
     import sys
 
@@ -405,6 +374,8 @@ def run(model: Transformer, weights: Path, text: str, contexts: list[int], specs
     from .common import machine_info, repeat_to
 
     out = Path(out)
+    if packed:
+        check_packed(model)
     room = model.cfg.max_seq_len - rounds * new - 8
     if room < 2:
         raise ValueError(f"{rounds} rounds of {new} tokens leave no room for a prompt in the "
@@ -418,7 +389,7 @@ def run(model: Transformer, weights: Path, text: str, contexts: list[int], specs
 
     cfg = dict(contexts=contexts, specs=specs, threads=threads, rounds=rounds, new=new,
                ppl=ppl, offset=offset, ppl_tokens=ppl_tokens, window=window, chunk=chunk,
-               llama_kv=llama_kv or list(LLAMA_TYPES))
+               llama_kv=llama_kv or list(LLAMA_TYPES), packed=packed)
     res = {"command": command, "machine": machine_info(torch.device("cpu")),
            "weights": str(weights)}
     res.update(collect(model, Path(weights), ids, cfg, tick))

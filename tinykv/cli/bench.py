@@ -162,9 +162,6 @@ def cmd_bench_peers(args) -> None:
     if args.device != "cpu" or (args.dtype or "float32") != "float32":
         raise UsageError("bench peers compares float32 weights on the CPU (--device cpu "
                          "--dtype float32)")
-    if args.packed_weights:
-        raise UsageError("bench peers reads float32 weights in both engines (llama.cpp's F32 "
-                         "GGUF): not with --packed-weights")
     if args.no_ppl and args.no_speed:
         raise UsageError("--no-ppl with --no-speed leaves nothing to measure")
     check_io(args, {"the chart": Path(args.out).with_suffix(".png")})
@@ -176,7 +173,7 @@ def cmd_bench_peers(args) -> None:
     contexts = [] if args.no_speed else args.contexts
     peers.run(model, path, text, contexts, specs, args.rounds, args.new, args.threads,
               not args.no_ppl, args.out, command, window, args.offset, args.max_tokens,
-              llama_kv=args.llama_kv)
+              llama_kv=args.llama_kv, packed=args.packed_weights)
 
 
 def replot(args) -> None:
