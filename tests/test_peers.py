@@ -1,8 +1,11 @@
-"""llama.cpp as a peer (tinykv/bench/peers.py): the F32 GGUF of the same weights, checked tensor
-by tensor (runs without llama.cpp), and the run without the `peers` extra, whose llama.cpp columns
-say how to get them."""
+"""llama.cpp as a peer (tinykv/bench/peers.py, peer_weights.py): the F32 GGUF of the same
+weights, checked tensor by tensor (runs without llama.cpp); with --packed-weights the source GGUF's
+own blocks, each engine's weight bytes, and llama.cpp's AMX left out; and the run without the
+`peers` extra, whose llama.cpp columns say how to get them."""
 
 import json
+import sys
+import types
 
 import gguf
 import numpy as np
@@ -148,3 +151,24 @@ def test_packed_peers_read_the_source_gguf_blocks(smollm2_dir, monkeypatch):
         assert r["roofline_tok_s"] == pytest.approx(bw / (read + kv))
     res.update(command="bench peers --packed-weights", machine={"cpu": "test cpu"})
     assert "(packed), llama.cpp" in peers.render(res)
+
+
+def test_quantized_weights_load_without_amx_where_llama_cpp_has_it(smollm2_dir, f32_gguf,
+                                                                    monkeypatch):
+    """without_amx turns llama.cpp's extra buffer types off while a Llama loads the quantized
+    GGUF, only where the binding reports AMX, and puts the default back (a stand-in binding:
+    the `peers` extra is not installed here)."""
+    class Params:
+        use_extra_bufts = True
+    inner = types.SimpleNamespace(llama_model_default_params=Params)
+    binding = types.ModuleType("llama_cpp")
+    binding.llama_cpp = inner
+    monkeypatch.setitem(sys.modules, "llama_cpp", binding)
+    quantized, f32 = peer_weights.source_gguf(smollm2_dir), f32_gguf[0]
+    for info, path, extra in [(b"AVX512 = 1 | AMX_INT8 = 1 |", quantized, False),
+                              (b"AVX512 = 1 | AMX_INT8 = 1 |", f32, True),
+                              (b"AVX512 = 1 | AMX_INT8 = 0 |", quantized, True)]:
+        binding.llama_print_system_info = lambda info=info: info
+        with peers.without_amx(path):
+            assert inner.llama_model_default_params().use_extra_bufts is extra
+        assert inner.llama_model_default_params is Params  # put back

@@ -21,6 +21,7 @@ Without llama-cpp-python (the `peers` extra) the llama.cpp columns say how to ge
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import importlib.util
 import inspect
@@ -58,7 +59,7 @@ def llama_available() -> bool:
 def load_llama(path: Path, cache: str, n_ctx: int, threads: int, logits_all: bool = False):
     """A llama-cpp-python model with a `cache` KV type. Flash attention is on for the quantized
     types (a quantized V cache needs it) and off for f16, the binding's default (on, f16 decoded
-    at half the speed here at 4096 tokens)."""
+    at half the speed here at 4096 tokens). Quantized weights skip AMX (without_amx)."""
     from llama_cpp import Llama
 
     kw = dict(model_path=str(path), n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=threads,
@@ -70,7 +71,42 @@ def load_llama(path: Path, cache: str, n_ctx: int, threads: int, logits_all: boo
         kw["flash_attn"] = flash
     else:  # newer bindings name it by llama.cpp's enum (0: disabled, 1: enabled)
         kw["flash_attn_type"] = int(flash)
-    return Llama(**kw)
+    with without_amx(path):
+        return Llama(**kw)
+
+
+@contextlib.contextmanager
+def without_amx(path: Path):
+    """While a Llama loads a quantized GGUF where llama.cpp was built with AMX: its extra buffer
+    types off (AMX, repacked weights), as the binding has no flag for them. On an Intel Xeon with
+    AMX its AMX copy of the Q4_1 weights crashed the first eval (a segfault); F32 weights never
+    go there. The binding reads the default model parameters through its module at each load."""
+    import gguf
+    import llama_cpp
+
+    f32 = gguf.LlamaFileType.ALL_F32
+    quantized = gguf.GGUFReader(path).fields["general.file_type"].contents() != f32
+    default = llama_cpp.llama_cpp.llama_model_default_params
+    if not (quantized and amx_built()):
+        yield
+        return
+
+    def params():
+        p = default()
+        p.use_extra_bufts = False
+        return p
+    llama_cpp.llama_cpp.llama_model_default_params = params
+    try:
+        yield
+    finally:
+        llama_cpp.llama_cpp.llama_model_default_params = default
+
+
+def amx_built() -> bool:
+    """Whether the installed llama.cpp uses AMX on this CPU (its system info says AMX_INT8 = 1)."""
+    import llama_cpp
+
+    return b"AMX_INT8 = 1" in llama_cpp.llama_print_system_info()
 
 
 def flash_attn(cache: str) -> bool:
@@ -249,6 +285,7 @@ def collect(model: Transformer, weights: Path, ids: list[int], cfg: dict,
 
     have = llama_available()
     out = {"config": {**cfg, "llama_cpp": _version() if have else None,
+                      "llama_amx_off": amx_built() and cfg["packed"] if have else None,
                       "flash_attn": {c: flash_attn(c) for c in cfg["llama_kv"]},
                       "how_to_get": None if have else HOW_TO_GET}}
     # Weight bytes a step reads: float32 in both engines, or each its own packing of the blocks
