@@ -393,6 +393,8 @@ def chart(res: dict, path: Path) -> str | None:
              [by.get(c, {}).get("roofline_tok_s") for c in contexts])
             for name, by in series.items()]
     title = f"decode, batch 1, {res['config']['threads']} thread(s), {res['machine']['cpu']}"
+    if res["config"].get("packed"):
+        title += "; both engines on the GGUF's 4-/8-bit weights"
     return grouped_bars(path, [f"context {c}" for c in contexts], bars, "decode tokens/s", title)
 
 
