@@ -102,6 +102,8 @@ def test_without_the_extra_the_llama_columns_say_how_to_get_them(tiny, monkeypat
     assert peers.HOW_TO_GET in text and "tinykv `int8`" in text
     json.dumps(res)  # every field is plain JSON
     assert peers.chart({**res, "rows": []}, tmp_path / "none.png") is None  # --no-speed
+    no_speed = peers.render({**res, "rows": [], "ratios": []})
+    assert "decode tok/s" not in no_speed and "| tinykv `int8`" in no_speed  # perplexity alone
     png = peers.chart(res, tmp_path / "peers.png")
     assert png is None or (tmp_path / "peers.png").stat().st_size > 0
 

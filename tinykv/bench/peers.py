@@ -361,7 +361,8 @@ def render(res: dict) -> str:
              _cell(r["decode_tok_s"], ".1f", r.get("note", "-")),
              _cell(r.get("pct_roofline"), ".0f") + ("%" if r.get("pct_roofline") else ""),
              _cell(r["prefill_s"], ".2f")] for r in res["rows"]]
-    out += md_table(["engine / KV", "context", "decode tok/s", "% roofline", "prefill s"], rows)
+    if rows:  # none with --no-speed
+        out += md_table(["engine / KV", "context", "decode tok/s", "% roofline", "prefill s"], rows)
     names = list(dict.fromkeys(k for r in res["ratios"] for k in r if k != "context"))
     decode = [k for k in names if not k.startswith("prefill ")]  # tok/s ratios, token check
     for keys in (decode, [k for k in names if k.startswith("prefill ")]):
