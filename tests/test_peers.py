@@ -21,13 +21,13 @@ from tinykv.model import Transformer
 @pytest.fixture(scope="module")
 def f32_gguf(smollm2_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("peers") / "model-f32.gguf"
-    n = peers.write_f32_gguf(peers.source_gguf(smollm2_dir), out)
+    n = peer_weights.write_f32_gguf(peer_weights.source_gguf(smollm2_dir), out)
     return out, n
 
 
 def test_f32_gguf_keeps_metadata_order_and_rows(smollm2_dir, f32_gguf):
     path, n = f32_gguf
-    src = gguf.GGUFReader(peers.source_gguf(smollm2_dir))
+    src = gguf.GGUFReader(peer_weights.source_gguf(smollm2_dir))
     dst = gguf.GGUFReader(path)
     assert n == len(src.tensors) == len(dst.tensors)
     assert [t.name for t in dst.tensors] == [t.name for t in src.tensors]
@@ -47,14 +47,14 @@ def test_f32_gguf_keeps_metadata_order_and_rows(smollm2_dir, f32_gguf):
 
 def test_f32_gguf_equals_the_safetensors_and_a_change_shows(smollm2_dir, f32_gguf):
     path, _ = f32_gguf
-    check = peers.same_weights(path, smollm2_dir)
+    check = peer_weights.same_weights(path, smollm2_dir)
     assert check["all_equal"] and check["equal"] == check["tensors"] > 200
     tampered = gguf.GGUFReader(path, "r+")
     t = next(t for t in tampered.tensors if t.name == "blk.3.attn_k.weight")
     t.data[5, 7] += 1.0
     tampered.data.flush()
     del tampered, t
-    check = peers.same_weights(path, smollm2_dir)
+    check = peer_weights.same_weights(path, smollm2_dir)
     assert not check["all_equal"] and check["equal"] == check["tensors"] - 1
 
 

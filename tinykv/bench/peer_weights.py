@@ -62,7 +62,7 @@ def gguf_weight_bytes(path: Path) -> int:
     return sum(tensors.values())
 
 
-def same_weights(f32_gguf: Path, weights: Path) -> dict:
+def same_weights(gguf_path: Path, weights: Path) -> dict:
     """fetch.py's converter run on a GGUF (the F32 one, or the source's own blocks; Q/K rows
     un-permuted), tensor by tensor against the model folder's model.safetensors: counts of
     tensors and of exactly equal ones."""
@@ -72,7 +72,7 @@ def same_weights(f32_gguf: Path, weights: Path) -> dict:
 
     with tempfile.TemporaryDirectory(prefix="tinykv-peers-") as tmp:
         ours = load_file(str(Path(weights) / "model.safetensors"))
-        theirs = load_file(str(convert_gguf(f32_gguf, Path(tmp)) / "model.safetensors"))
+        theirs = load_file(str(convert_gguf(gguf_path, Path(tmp)) / "model.safetensors"))
     equal = [n for n, t in theirs.items() if n in ours and torch.equal(ours[n].float(), t)]
     return {"tensors": len(ours), "in_gguf": len(theirs), "equal": len(equal),
             "all_equal": len(equal) == len(ours) == len(theirs)}
