@@ -82,7 +82,8 @@ def check_packed(model: Transformer) -> None:
     """Every linear layer packed, else a one-line error: llama.cpp would read the GGUF's blocks
     where tinykv reads float32."""
     total = sum(isinstance(m, Linear) for m in model.modules())
-    if packed_matrices(model) < total:
-        raise ValueError(f"--packed-weights: {packed_matrices(model)} of {total} linear layers "
+    packed = packed_matrices(model)
+    if packed < total:
+        raise ValueError(f"--packed-weights: {packed} of {total} linear layers "
                          "came from 4- or 8-bit blocks; bench peers needs every one packed to "
                          "compare with llama.cpp on the same GGUF")

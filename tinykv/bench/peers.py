@@ -291,15 +291,15 @@ def collect(model: Transformer, weights: Path, ids: list[int], cfg: dict,
     # Weight bytes a step reads: float32 in both engines, or each its own packing of the blocks
     out["weight_bytes"] = weight_bytes(model)
     out["llama_weight_bytes"] = out["weight_bytes"]
+    src = source_gguf(weights) if have or cfg["packed"] else None
     if cfg["packed"]:
-        out["llama_weight_bytes"] = gguf_weight_bytes(source_gguf(weights))
+        out["llama_weight_bytes"] = gguf_weight_bytes(src)
     with tempfile.TemporaryDirectory(prefix="tinykv-peers-") as tmp:
         gguf = None
         if have:
-            src = source_gguf(weights)
             if cfg["packed"]:  # llama.cpp reads the blocks tinykv packed
                 gguf = src
-                out["gguf"] = {"source": src.name, "tensors": None, "packed": True}
+                out["gguf"] = {"source": src.name, "packed": True}
             else:
                 gguf = Path(tmp) / "model-f32.gguf"
                 out["gguf"] = {"source": src.name, "tensors": write_f32_gguf(src, gguf)}
