@@ -29,13 +29,22 @@ import torch
 
 from ..spec import QuantParams
 from .cpu_args import PoolArrays, as_index, pool_arrays, readable
-from .cpu_direct import DirectLayers, PoolCalls, Resolved, layer_calls, transform_arrays
+from .cpu_direct import (
+    MERGE,
+    DirectLayers,
+    KernelCall,
+    PoolCalls,
+    key_bytes,
+    layer_calls,
+    merge_splits,
+    transform_arrays,
+)
 from .cpu_maps import head_map_cpu  # noqa: F401 (a layer's transform)
-from .cpu_numerics import AVAILABLE, REASON, njit, numba, use_threads
+from .cpu_numerics import AVAILABLE, REASON, numba, use_threads
 from .cpu_plain import attention_kernel
 from .cpu_store import quantize_store_cpu, store_args, store_rows  # noqa: F401 (the store)
 from .cpu_vector import ALL, BY_CHUNK, takes, vector_kernel
-from .layout import PoolLayer, empty_rows
+from .layout import PoolLayer
 from .reference import Partial, paged_attention_ref
 
 CHUNK_MAX = 4
@@ -69,6 +78,7 @@ class _Step:
         self.key_reads = int(visible.sum())  # per KV head
         self.longest = int(visible.max()) if len(visible) else 0  # the most keys of one query
         self.chunked = False  # a row of more than CHUNK_MAX queries: a prefill chunk
+        self.shares: dict[tuple, tuple[int, int]] = {}  # CpuKernels._share's answers for it
         if len(self.q_seq) > CHUNK_MAX:
             counts = np.bincount(self.q_seq, minlength=len(self.ctx_lens))  # queries per row
             self.chunked = int(counts.max()) > CHUNK_MAX
@@ -125,9 +135,9 @@ class CpuKernels:
         call = self._call(k, v, Hq, D)
         if call is None:  # a format the kernels do not read in place
             return paged_attention_ref(q, q_seq, q_pos, k, v, block_table, ctx_lens, sm_scale)
-        serial, parallel, k_arrays, v_arrays, H, BS = call
-        threads, num_splits = self._share(step, H, _key_bytes(k, v), num_splits)
-        o = empty_rows((num_splits, N, Hq, D))
+        serial, parallel, k_arrays, v_arrays, H, BS, _ = call
+        threads, num_splits = self._share(step, H, call.key_bytes, num_splits)
+        o = np.empty((num_splits, N, Hq, D), np.float32)
         lse = np.empty((num_splits, N, Hq), np.float32)
         if q.dtype is torch.float32 and q.is_contiguous():
             q_rows = q.numpy()  # (N, Hq, D), a view
@@ -142,7 +152,7 @@ class CpuKernels:
         else:
             parallel(threads, *args)
         if num_splits > 1:
-            _merge_splits(o, lse)
+            merge_splits(o, lse)
         return torch.from_numpy(o[0]), torch.from_numpy(lse[0])
 
     def direct(self, q_seq: torch.Tensor, q_pos: torch.Tensor, ctx_lens: torch.Tensor,
@@ -170,7 +180,7 @@ class CpuKernels:
                 return None
             share = (1, 1)
             if calls:  # the first layer's formats stand for all
-                share = self._share(step, calls[0].kv_heads, _key_bytes(*layers[0]))
+                share = self._share(step, calls[0].kv_heads, key_bytes(*layers[0]))
             parts.append(PoolCalls(step, calls, share))
         if sm_scale != self._scale[0]:
             self._scale = (sm_scale, np.float32(sm_scale))
@@ -179,7 +189,7 @@ class CpuKernels:
         if transforms is not None and self._maps[1] is None:  # maps the kernel does not take
             return None
         return DirectLayers(parts, target, as_index(blk, np.int64), as_index(off, np.int64),
-                            self._scale[1], count_saturated, Hq, D, _MERGE,
+                            self._scale[1], count_saturated, Hq, D, MERGE,
                             None if transforms is None else self._maps[1])
 
     def _share(self, step: _Step, H: int, key_bytes: int,
@@ -189,7 +199,10 @@ class CpuKernels:
         Unless num_splits says how many, each query's blocks split in shares of at most
         SHARE_BYTES of codes (key_bytes a key), and with too few (query, KV head) items to
         share evenly among the threads, in a multiple of their count (partials merged by
-        log-sum-exp)."""
+        log-sum-exp). Each step remembers its answers: a layer call asks again the same."""
+        asked = (H, key_bytes, num_splits, torch.get_num_threads(), SHARE_BYTES)
+        if asked in step.shares and asked[3] == self._threads_set:
+            return step.shares[asked]
         threads = self._threads()
         if step.key_reads * H < self.threads_min_reads:  # starting the threads costs more
             threads = 1
@@ -199,11 +212,12 @@ class CpuKernels:
             for_threads = threads if uneven else 1
             for_length = -(-step.longest * key_bytes // SHARE_BYTES)
             num_splits = for_threads * max(1, -(-for_length // for_threads))
+        step.shares[asked] = (threads, num_splits)
         return threads, num_splits
 
-    def _call(self, k: PoolLayer, v: PoolLayer, Hq: int, D: int) -> tuple | None:
-        """(serial, parallel, K arrays, V arrays, H, BS) for a pair of pools (kept while they
-        live), or None where a format is not read in place."""
+    def _call(self, k: PoolLayer, v: PoolLayer, Hq: int, D: int) -> KernelCall | None:
+        """The kernels and arguments for a pair of pools (kept while they live), or None where a
+        format is not read in place."""
         key = (id(k), id(v), Hq, D)
         known = self._calls.get(key)
         if known is not None and known[0]() is k and known[1]() is v:
@@ -220,7 +234,7 @@ class CpuKernels:
                 kernels = vector_kernel(kf, vf, R, D, k_groups, v_groups, *self.variant)
             else:
                 kernels = attention_kernel(kf, vf)
-            call = (*kernels, k_arrays, v_arrays, H, BS)
+            call = KernelCall(*kernels, k_arrays, v_arrays, H, BS, key_bytes(k, v))
         if len(self._calls) > 1024:  # staged copies come and go: forget the dead
             self._calls = {i: e for i, e in self._calls.items() if e[0]() is not None}
         self._calls[key] = (weakref.ref(k), weakref.ref(v), call)
@@ -286,11 +300,6 @@ class CpuKernels:
         return o, lse
 
 
-def _key_bytes(k: PoolLayer, v: PoolLayer) -> int:
-    """Bytes of codes one key holds in a pair of pools, every KV head, K and V."""
-    return sum(p.data.element_size() * p.data.shape[1] * p.data.shape[3] for p in (k, v))
-
-
 def _follow_torch_threads(wanted: int) -> int:
     """Set numba's thread count to torch's (never past numba's pool); returns `wanted`."""
     numba.get_num_threads()  # the first call starts numba's pool, and with the OpenMP layer
@@ -300,37 +309,6 @@ def _follow_torch_threads(wanted: int) -> int:
     return wanted
 
 
-@njit(cache=True, error_model="numpy")  # numba's own cache key: this file's stamp
-def _merge_splits(o, lse):
-    """Merge partials over disjoint key sets into o[0], lse[0]: o (S, N, Hq, D), lse (S, N, Hq)."""
-    S, N, Hq, D = o.shape
-    weights = np.empty(S)  # each part's share of a head's probability mass
-    for n in range(N):
-        for hq in range(Hq):
-            top = -np.inf
-            for s in range(S):
-                top = max(top, lse[s, n, hq])
-            if top == -np.inf:  # no key in any part
-                o[0, n, hq, :] = 0.0
-                lse[0, n, hq] = -np.inf
-                continue
-            total = 0.0
-            for s in range(S):
-                total += np.exp(lse[s, n, hq] - top)
-            for s in range(S):  # once per head, not per channel: S exps instead of S * D
-                weights[s] = np.exp(lse[s, n, hq] - top) / total
-            for d in range(D):
-                x = 0.0
-                for s in range(S):
-                    x += weights[s] * o[s, n, hq, d]
-                o[0, n, hq, d] = x
-            lse[0, n, hq] = top + np.log(total)
-
-
-# the direct calls' merge: its arguments are always the same types (DirectLayers' outputs)
-_MERGE = Resolved(_merge_splits)
-
-
 def merge_partials_cpu(parts: list[Partial]) -> Partial:
     """reference.merge_partials in one compiled pass (a pool and its hot blocks: two partials a
     layer call)."""
@@ -338,7 +316,7 @@ def merge_partials_cpu(parts: list[Partial]) -> Partial:
         return parts[0]
     o = np.stack([o.float().numpy() for o, _ in parts])  # (P, N, Hq, D)
     lse = np.stack([lse.float().numpy() for _, lse in parts])  # (P, N, Hq)
-    _merge_splits(o, lse)
+    merge_splits(o, lse)
     return torch.from_numpy(o[0]), torch.from_numpy(lse[0])
 
 

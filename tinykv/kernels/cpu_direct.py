@@ -3,7 +3,10 @@ makes them): the compiled kernels `CpuKernels.store` and `.attend` call, with th
 convert from torch made once (each layer's pools once per cache, the step's metadata once per
 step), so that nothing between a layer's compiled calls makes a torch tensor
 (gemv_layer.layers_cpu runs the layers). In a decode step each op between two layers' weight reads
-runs with cold caches, where it costs many times what it costs in a loop (bench kernel --cpu)."""
+runs with cold caches, where it costs many times what it costs in a loop (bench kernel --cpu).
+
+Also here, as both paths use them: a pair of pools' kernels and arguments (`KernelCall`) and the
+log-sum-exp merge of partials (`merge_splits`)."""
 
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ import numpy as np
 import torch
 
 from .cpu_maps import head_map_kernel
-from .cpu_numerics import use_threads
+from .cpu_numerics import njit, use_threads
 from .cpu_store import compiled_store_pair, store_args
 from .layout import PoolLayer, empty_rows
 
@@ -55,6 +58,53 @@ class Resolved:
         self.entries[layout] = overloads[key].entry_point if key in (overloads or {}) \
             else self.dispatcher
         return out
+
+
+def key_bytes(k: PoolLayer, v: PoolLayer) -> int:
+    """Bytes of codes one key holds in a pair of pools, every KV head, K and V."""
+    return sum(p.data.element_size() * p.data.shape[1] * p.data.shape[3] for p in (k, v))
+
+
+@njit(cache=True, error_model="numpy")  # numba's own cache key: this file's stamp
+def merge_splits(o, lse):
+    """Merge partials over disjoint key sets into o[0], lse[0]: o (S, N, Hq, D), lse (S, N, Hq)."""
+    S, N, Hq, D = o.shape
+    weights = np.empty(S)  # each part's share of a head's probability mass
+    for n in range(N):
+        for hq in range(Hq):
+            top = -np.inf
+            for s in range(S):
+                top = max(top, lse[s, n, hq])
+            if top == -np.inf:  # no key in any part
+                o[0, n, hq, :] = 0.0
+                lse[0, n, hq] = -np.inf
+                continue
+            total = 0.0
+            for s in range(S):
+                total += np.exp(lse[s, n, hq] - top)
+            for s in range(S):  # once per head, not per channel: S exps instead of S * D
+                weights[s] = np.exp(lse[s, n, hq] - top) / total
+            for d in range(D):
+                x = 0.0
+                for s in range(S):
+                    x += weights[s] * o[s, n, hq, d]
+                o[0, n, hq, d] = x
+            lse[0, n, hq] = top + np.log(total)
+
+
+# the direct calls' merge: its arguments are always the same types (DirectLayers' outputs)
+MERGE = Resolved(merge_splits)
+
+
+class KernelCall(NamedTuple):
+    """A pair of pools' attention as CpuKernels.attend calls it, converted once."""
+    serial: Callable  # the work items from first to last, on the calling thread
+    parallel: Callable  # and shared among `workers` threads
+    k_arrays: tuple  # cpu_args.PoolArrays of K, then V
+    v_arrays: tuple
+    kv_heads: int
+    block_size: int
+    key_bytes: int  # bytes of codes a key holds, every KV head, K and V (key_bytes)
 
 
 class LayerCalls(NamedTuple):
@@ -103,7 +153,7 @@ class DirectLayers:
                  D: int, merge: Callable, transforms: list | None = None):
         """pools: in the order their partials merge; target: the pool the new tokens go to, at
         blk, off (N,); count_saturated: where clipped values are counted (None: not counted, as
-        for hot blocks, a cast); merge: cpu._merge_splits, which folds partials into the first;
+        for hot blocks, a cast); merge: merge_splits, which folds partials into the first;
         transforms: each layer's maps as transform_arrays makes them, or None."""
         self.count_saturated = count_saturated
         self.transforms = transforms or [None] * len(pools[0].layers)
@@ -203,7 +253,7 @@ class DirectLayers:
 
 
 def layer_calls(layers: list[tuple[PoolLayer, PoolLayer]],
-                attention: Callable[[PoolLayer, PoolLayer], tuple | None], written: bool
+                attention: Callable[[PoolLayer, PoolLayer], KernelCall | None], written: bool
                 ) -> list[LayerCalls] | None:
     """Every layer's calls, its pools (K, V) given; `attention`: CpuKernels._call for a pair of
     pools; the store's too where the step writes the pool. None if a pool's store or attention is
@@ -213,18 +263,20 @@ def layer_calls(layers: list[tuple[PoolLayer, PoolLayer]],
         call = attention(k, v)
         if call is None or written and (k.p.block_wise or v.p.block_wise):
             return None
-        serial, parallel, k_arrays, v_arrays, H, BS = call
         store, pair_args = None, ()  # a pool only read: its blocks filled in the hot pool
         if written:
             k_store, v_store = (store_args(pool.p, pool.data, pool.scale, pool.zero)
                                 for pool in (k, v))
-            assert k_store.block_size == v_store.block_size == BS, "K and V share the table"
+            assert k_store.block_size == v_store.block_size == call.block_size, \
+                "K and V share the table"
             store = Resolved(compiled_store_pair, 0, 1)
             pair_args = (k_store.fmt, k_store.arrays, k_store.limits, k_store.dynamic,
                          k_store.clips, k_store.fit_steps, v_store.fmt, v_store.arrays,
-                         v_store.limits, v_store.dynamic, v_store.clips, v_store.fit_steps, BS)
-        calls.append(LayerCalls(store, pair_args, Resolved(serial, 2), Resolved(parallel, 1),
-                                k_arrays, v_arrays, H, BS))
+                         v_store.limits, v_store.dynamic, v_store.clips, v_store.fit_steps,
+                         call.block_size)
+        calls.append(LayerCalls(store, pair_args, Resolved(call.serial, 2),
+                                Resolved(call.parallel, 1), call.k_arrays, call.v_arrays,
+                                call.kv_heads, call.block_size))
     return calls
 
 
