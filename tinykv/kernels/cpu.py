@@ -135,8 +135,8 @@ class CpuKernels:
         call = self._call(k, v, Hq, D)
         if call is None:  # a format the kernels do not read in place
             return paged_attention_ref(q, q_seq, q_pos, k, v, block_table, ctx_lens, sm_scale)
-        serial, parallel, k_arrays, v_arrays, H, BS, _ = call
-        threads, num_splits = self._share(step, H, call.key_bytes, num_splits)
+        serial, parallel, k_arrays, v_arrays, H, BS, per_key = call
+        threads, num_splits = self._share(step, H, per_key, num_splits)
         o = np.empty((num_splits, N, Hq, D), np.float32)
         lse = np.empty((num_splits, N, Hq), np.float32)
         if q.dtype is torch.float32 and q.is_contiguous():
@@ -200,8 +200,9 @@ class CpuKernels:
         SHARE_BYTES of codes (key_bytes a key), and with too few (query, KV head) items to
         share evenly among the threads, in a multiple of their count (partials merged by
         log-sum-exp). Each step remembers its answers: a layer call asks again the same."""
-        asked = (H, key_bytes, num_splits, torch.get_num_threads(), SHARE_BYTES)
-        if asked in step.shares and asked[3] == self._threads_set:
+        wanted = torch.get_num_threads()
+        asked = (H, key_bytes, num_splits, wanted, SHARE_BYTES)
+        if asked in step.shares and wanted == self._threads_set:
             return step.shares[asked]
         threads = self._threads()
         if step.key_reads * H < self.threads_min_reads:  # starting the threads costs more
