@@ -744,6 +744,7 @@ def test_bench_cpu_kernel_prints_its_ceilings_and_fixed_costs(tmp_path: Path) ->
                                       "store_cold_us", "direct_attend_us", "direct_store_us",
                                       "direct_attend_cold_us", "direct_store_cold_us"))
     assert "cold: attend" in r.stdout and "direct: attend" in r.stdout
+    assert len(results["machine"]["overlap"]["rates"]) == 3 and "Reads beside work" in r.stdout
 
 
 @pytest.mark.skipif(not NO_GPU, reason="with a GPU, --attention triton runs compiled")

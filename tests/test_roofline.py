@@ -256,6 +256,33 @@ def test_kernel_bench_pools_of_one_block():
     assert got["int4", 1]["attend_s"] > 0 and got["int4", 1]["touch_s"] > 0
 
 
+def test_overlap_probe_reports_each_rate_beside_the_larger_alone():
+    """bench/overlap.py: the work alone, and per rate of reads the reads alone and both, with
+    both over the larger of the two; printed under the attention table."""
+    from tinykv.bench import attention, overlap
+
+    if not attention.AVAILABLE:
+        pytest.skip("numba is not installed")
+    got = overlap.measure(2**20, quick=True)
+    assert [r["every"] for r in got["rates"]] == list(overlap.EVERY)
+    assert got["work_ns"] > 0 and got["far_bytes"] == 2**20
+    for r in got["rates"]:
+        assert r["reads_ns"] > 0 and r["both_ns"] > 0
+        assert r["both_over_larger"] == r["both_ns"] / max(got["work_ns"], r["reads_ns"])
+    text = "\n".join(overlap.render(got))
+    assert f"work alone {got['work_ns']:.1f} ns a step" in text
+    assert f"{got['rates'][0]['both_over_larger']:.2f}x" in text
+    assert overlap.render(None) == []
+
+
+def test_huge_page_buffer_starts_on_a_huge_page():
+    from tinykv.kernels.layout import HUGE_PAGE, huge_page_buffer
+
+    buffer = huge_page_buffer(3 * 2**20 + 5)
+    assert buffer.numel() == 3 * 2**20 + 5 and buffer.dtype == torch.uint8
+    assert buffer.data_ptr() % HUGE_PAGE == 0
+
+
 def test_kernel_bench_times_thread_counts_in_turn(monkeypatch):
     """Each thread count and spec is timed within the same reps (so a slow moment falls on all
     of them), and a row past one thread is its own one-thread time over its time."""

@@ -37,6 +37,7 @@ from ..kernels.layout import PoolLayer
 from ..outputs import write_text
 from ..quant import compute_scales, quantize
 from ..spec import KVSpec, QuantParams
+from . import overlap
 from .ceilings import fma_peak, reads_in_turn, set_threads
 from .common import cpu_target
 
@@ -293,6 +294,7 @@ def collect(specs: list[str], shapes: list[tuple[int, int]], threads: list[int],
     # of its own peak and bandwidth, which a host's other guests share.
     machine["fma_g_s_threads"] = {str(n): fma_peak(threads=n) for n in threads if n > 1}
     machine["read_gb_s_threads"] = {str(n): reads[n] for n in threads if n > 1}
+    machine["overlap"] = overlap.measure(budget, quick=budget <= 2**20)
     got, cached = {}, {}
     for batch, context in shapes:
         got[batch, context] = measure_shape(specs, batch, context, reps, budget, threads)
@@ -356,7 +358,8 @@ def render(results: dict) -> str:
                  f"{r['pct_bandwidth']:.0f}%", f"{r['pct_fma_peak']:.1f}%",
                  _ratio(r.get("vs_fp16")), f"{r['cycles_per_key']:.0f}", _speedup(r)]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
-    return "\n".join(lines + _render_fixed(results.get("fixed_us", {})))
+    return "\n".join(lines + _render_fixed(results.get("fixed_us", {}))
+                     + overlap.render(m.get("overlap")))
 
 
 def _render_fixed(fixed: dict) -> list[str]:

@@ -39,6 +39,17 @@ HUGE_PAGE = 2 << 20  # bytes: x86's large page
 MADV_HUGEPAGE = 14  # Linux's madvise advice: back this range with huge pages where it can
 
 
+def huge_page_buffer(nbytes: int) -> torch.Tensor:
+    """nbytes uint8, not yet written, starting on a 2 MiB page that Linux is asked to back with
+    huge pages (transparent huge pages on `madvise`, as this project's machines have them)."""
+    buffer = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)  # untouched: no pages yet
+    offset = -buffer.data_ptr() % HUGE_PAGE
+    if sys.platform == "linux":  # before the first write, which is when Linux picks the pages
+        ctypes.CDLL(None).madvise(ctypes.c_void_p(buffer.data_ptr() + offset),
+                                  ctypes.c_size_t(nbytes), MADV_HUGEPAGE)
+    return buffer[offset:offset + nbytes]
+
+
 def onto_huge_pages(tensors: list[torch.Tensor]) -> None:
     """Move CPU tensors into one allocation, each on a cache line, that Linux is asked to back
     with 2 MiB pages, and point them at it (tensor.data: a Parameter stays the same object, so
@@ -47,11 +58,7 @@ def onto_huge_pages(tensors: list[torch.Tensor]) -> None:
     not take the advice (transparent huge pages off, not Linux), the copy still puts every
     tensor on a cache line."""
     sizes = [-(-t.nbytes // CACHE_LINE) * CACHE_LINE for t in tensors]
-    buffer = torch.empty(sum(sizes) + HUGE_PAGE, dtype=torch.uint8)  # untouched: no pages yet
-    offset = -buffer.data_ptr() % HUGE_PAGE
-    if sys.platform == "linux":  # before the first write, which is when Linux picks the pages
-        ctypes.CDLL(None).madvise(ctypes.c_void_p(buffer.data_ptr() + offset),
-                                  ctypes.c_size_t(sum(sizes)), MADV_HUGEPAGE)
+    buffer, offset = huge_page_buffer(sum(sizes)), 0
     for t, size in zip(tensors, sizes):
         moved = buffer[offset:offset + t.nbytes].view(t.dtype).view(t.shape)
         moved.copy_(t)
