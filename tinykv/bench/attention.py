@@ -286,15 +286,15 @@ def _per_call_cold(fn, calls: int = 30) -> float:
 def collect(specs: list[str], shapes: list[tuple[int, int]], threads: list[int], reps: int,
             budget: int) -> dict:
     """The machine's ceilings, then a row per thread count, shape and spec."""
-    mib = 512 if budget > 2**20 else 16  # a quick run: a token bandwidth
-    reads = reads_in_turn(mib, sorted({1, *threads}), reps=3)
+    quick = budget <= 2**20  # a quick run: a token bandwidth and probe
+    reads = reads_in_turn(16 if quick else 512, sorted({1, *threads}), reps=3)
     machine = {"read_gb_s": reads[1], "clock_ghz": clock_ghz(), "fma_g_s": fma_peak(),
                "cpu_kernels": cpu_target()}
     # What the threads get at once, measured: a thread count's "% FMA peak" and "% read bw" are
     # of its own peak and bandwidth, which a host's other guests share.
     machine["fma_g_s_threads"] = {str(n): fma_peak(threads=n) for n in threads if n > 1}
     machine["read_gb_s_threads"] = {str(n): reads[n] for n in threads if n > 1}
-    machine["overlap"] = overlap.measure(budget, quick=budget <= 2**20)
+    machine["overlap"] = overlap.measure(budget, quick=quick)
     got, cached = {}, {}
     for batch, context in shapes:
         got[batch, context] = measure_shape(specs, batch, context, reps, budget, threads)

@@ -12,7 +12,8 @@ their sum (none hidden). A probe measures where this machine puts it, one thread
   The array is on 2 MiB pages: the kernel's pools of one layer fit the TLB's reach, and a page
   walk per run would be a cost of the probe, not of the kernel.
 Work alone, reads alone and both are timed in turn, round by round; "both / larger" is 1.0
-where the reads hide under the work entirely and 2.0 where the two add up.
+where the reads hide under the work entirely, and their sum over the larger (2.0 where the two
+take the same time) where they add up.
 """
 
 from __future__ import annotations
@@ -109,4 +110,5 @@ def render(got: dict | None) -> list[str]:
             f"{got['far_bytes'] >> 20} MiB every {every} steps, runs of {got['run_lines']} "
             f"lines in shuffled order; each step a load from L1 and {4 * WORK} multiply-adds): "
             f"work alone {got['work_ns']:.1f} ns a step; reads alone {per}; both {both}: "
-            f"{ratio} the larger alone (1.00x: the reads hide under the work; 2x: they add)."]
+            f"{ratio} the larger alone (1.00x: the reads hide under the work; up to 2x: they "
+            "add)."]
