@@ -26,6 +26,7 @@ import torch
 
 from ..kernels.cpu_numerics import njit
 from ..kernels.cpu_simd import load, prefetch_lines, splat, store
+from ..kernels.cpu_vector_rows import LEVEL  # the attention kernel's: into L2
 from ..kernels.layout import huge_page_buffer
 
 RUN_LINES = 16  # lines read in a row: a KV head's 16-token block of 64 int8 channels
@@ -48,7 +49,7 @@ def _steps(small, far, run_starts, first, steps, shift, with_reads, with_work):
         if with_reads and (i & ((1 << shift) - 1)) == 0:
             line = first + (i >> shift) + AHEAD
             run = run_starts[(line // RUN_LINES) & last_run]
-            prefetch_lines(far, run + line % RUN_LINES * LINE_FLOATS, 1, 2)
+            prefetch_lines(far, run + line % RUN_LINES * LINE_FLOATS, 1, LEVEL)
         if with_work:
             v = load(small, i * LINE_FLOATS & (SMALL_FLOATS - 1), 16)
             for _ in range(WORK):
