@@ -788,6 +788,35 @@ def wait_for_file(folder: Path, p: subprocess.Popen) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.parametrize("raised, status, word", [("KeyboardInterrupt", 130, "interrupted"),
+                                                   ("cli.Terminated", 143, "terminated")])
+def test_interrupt_stays_one_line_when_a_finalizer_fails_at_exit(raised: str, status: int,
+                                                                 word: str) -> None:
+    """A signal that lands while numba compiles can leave an llvmlite object half built, whose
+    finalizer then fails as the process ends: still one `error:` line and no traceback. The
+    command here leaves such an object (in a cycle, so only the exit collects it) and raises."""
+    script = f"""
+import sys
+from tinykv import cli
+
+class HalfBuilt:
+    def __del__(self):
+        del self.handle  # never set: AttributeError in a finalizer
+
+def interrupted(args):
+    leftover = HalfBuilt()
+    leftover.cycle = leftover
+    raise {raised}
+
+cli.load_command = lambda name: interrupted
+sys.exit(cli.main(["fetch"]))
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       timeout=TIMEOUT)
+    assert r.returncode == status, r.stderr
+    assert r.stderr == f"error: {word}\n"
+
+
 @pytest.mark.parametrize("sig, when", [(signal.SIGINT, "importing"),
                                        (signal.SIGINT, "generating"),
                                        (signal.SIGTERM, "generating")],

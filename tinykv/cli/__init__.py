@@ -60,6 +60,12 @@ def quiet_unraisable(unraisable) -> None:
     sys.__unraisablehook__(unraisable)
 
 
+def ignore_unraisable(unraisable) -> None:
+    """sys.unraisablehook for the rest of an interrupted process: an object the signal left half
+    built (llvmlite's, when it lands while numba compiles) can fail in its finalizer as the
+    process ends, and that traceback would follow the one `error:` line."""
+
+
 @contextmanager
 def termination_raised() -> Iterator[None]:
     """SIGTERM raises Terminated, and Ctrl-C KeyboardInterrupt, while the block runs (where
@@ -126,10 +132,12 @@ def main(argv: list[str] | None = None, generate_prog: str | None = None) -> int
     except KeyboardInterrupt:
         close_progress_bars()
         print("error: interrupted", file=sys.stderr)
+        sys.unraisablehook = ignore_unraisable
         return 130
     except Terminated:
         close_progress_bars()
         print("error: terminated", file=sys.stderr)
+        sys.unraisablehook = ignore_unraisable
         return 143
     except ArgError as e:
         print(f"error: {e}", file=sys.stderr)
