@@ -734,8 +734,8 @@ def test_bench_cpu_kernel_prints_its_ceilings_and_fixed_costs(tmp_path: Path) ->
     parts = json.loads((work / "k.json").read_text())["parts"]
     assert [(row["kv"], row["batch"], row["context"]) for row in parts] == \
         [("int8", 1, 256), ("int8", 2, 128)]
-    assert all(row["whole_ms"] > 0 and row["rest_ms"] > 0 for row in parts)
-    assert "Where a call's time goes" in r.stdout
+    assert all(row["whole_ms"] > 0 and row["rest_ms"] > 0 and row["l1_ms"] > 0 for row in parts)
+    assert "Where a call's time goes" in r.stdout and "whole, K/V in L1" in r.stdout
     results = json.loads((work / "k.json").read_text())
     assert {(row["batch"], row["context"]) for row in results["rows"]} == {(1, 256), (2, 128)}
     assert all(row["touch_ms"] > 0 and row["ms"] > 0 for row in results["rows"])
