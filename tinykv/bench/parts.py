@@ -104,18 +104,18 @@ def collect(specs: list[str], shapes: list[tuple[int, int]], reps: int, clock_gh
 
 def render(rows: list[dict], kivi: str) -> str:
     """The table (Markdown): ms, then cycles per key and KV head in brackets."""
-    parts = ["whole", "keys", "values", "rest", "overlap", "l1"]
-    heads = ["whole", "keys", "values", "rest", "overlap", "whole, K/V in L1"]
+    heads = {p: p for p in ("whole", "keys", "values", "rest", "overlap")}  # part -> column
+    heads["l1"] = "whole, K/V in L1"
     lines = ["Where a call's time goes, K/V in cache, one thread: ms (cycles per key and KV head)."
              " keys, values: that half's work alone less the rest's; the rest: the softmax, the"
              " block walk, each item's start and end, the call's fixed cost; overlap: the whole"
              " less the three; in L1: the whole call on two blocks' K/V (every row's table"
              " cycling over them).", "",
-             "| KV spec | batch x ctx | " + " | ".join(heads) + " |",
+             "| KV spec | batch x ctx | " + " | ".join(heads.values()) + " |",
              "|---|---|" + "---|" * len(heads)]
     for r in rows:
         name = "KIVI-style" if r["kv"].startswith(kivi) else r["kv"]
-        cells = [f"{r[p + '_ms']:.3f} ({r[p + '_cycles']:.0f})" for p in parts]
+        cells = [f"{r[p + '_ms']:.3f} ({r[p + '_cycles']:.0f})" for p in heads]
         lines.append(f"| `{name}` | {r['batch']}x{r['context']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
