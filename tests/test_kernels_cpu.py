@@ -31,7 +31,7 @@ from tinykv import quant
 from tinykv.kernels import cpu as kernels_cpu
 from tinykv.kernels import cpu_vector
 from tinykv.kernels.cpu_args import pool_arrays
-from tinykv.kernels.cpu_vector import takes
+from tinykv.kernels.cpu_vector import head_share, takes
 from tinykv.kernels.reference import merge_partials, paged_attention_ref, quantize_store_ref
 from tinykv.spec import QuantParams
 
@@ -58,6 +58,9 @@ MORE_CASES = [
     ("fp32", "int4:g32:asym", 3, 64, 16),
     ("int8", "fp32", 2, 96, 32),
     ("fp32", "fp32", 4, 128, 16),
+    # more query heads a KV head than the vector kernel's 512 lanes: passes over its blocks
+    ("int8", "fp16", 7, 128, 16),  # heads 0-3, then 3-6
+    ("fp16", "int4:g32", 5, 256, 32),  # 0-1, 2-3, 3-4
 ]
 
 
@@ -202,7 +205,7 @@ def test_vector_kernel_matches_its_plain_twin(kspec, vspec, n_rep, D, BS, by_chu
             D**-0.5)
     kf, k_arrays = pool_arrays(k, H, BS, D)
     vf, _ = pool_arrays(v, H, BS, D)
-    if not takes(kf, vf, n_rep, D, BS, D // k_arrays[7]):
+    if not takes(kf, vf, head_share(n_rep, D), D, BS, D // k_arrays[7]):
         pytest.skip(f"{kspec} / {vspec} at R={n_rep}, D={D}, BS={BS}: the plain kernel only")
     vec = kernels_cpu.CpuKernels(vector=True, by_chunk=by_chunk).attend(*args)
     plain = kernels_cpu.CpuKernels(vector=False).attend(*args)
@@ -265,6 +268,20 @@ def test_vector_kernel_takes_the_default_model_formats():
         pool = make_pool(spec, 3, 16, 64, torch.Generator().manual_seed(0))
         fmt, arrays = pool_arrays(pool, 3, 16, 64)
         assert takes(fmt, fmt, 3, 64, 16, 64 // arrays[7]), spec
+
+
+def test_vector_kernel_takes_large_groups_in_passes():
+    """A KV head's query heads past 512 lanes go in passes of as many as fit (the last pass
+    ends at the group's end), and those pools to the vector kernel, not the plain one."""
+    assert [head_share(R, D) for R, D in [(3, 64), (8, 64), (8, 128), (7, 128), (5, 256),
+                                          (1, 512), (2, 1024)]] == [3, 8, 4, 4, 2, 1, 0]
+    gen = torch.Generator().manual_seed(0)
+    k, v = make_pool("int8", 2, 16, 128, gen), make_pool("fp16", 2, 16, 128, gen)
+    kernels = kernels_cpu.CpuKernels()
+    call = kernels._call(k, v, 2 * 8, 128)  # 8 query heads a KV head: two passes of 4
+    (kf, k_arrays), (vf, v_arrays) = pool_arrays(k, 2, 16, 128), pool_arrays(v, 2, 16, 128)
+    groups = (128 // k_arrays[7], 128 // v_arrays[7])
+    assert call.serial is cpu_vector.vector_kernel(kf, vf, 4, 128, *groups, *kernels.variant)[0]
 
 
 def _counts_in_loops(llvm_ir: str) -> list[str]:

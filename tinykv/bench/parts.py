@@ -46,14 +46,14 @@ def _variants() -> dict[str, int]:
 def vector_takes(spec: str) -> bool:
     """Whether the vector kernel (the one with parts) reads this spec at the benchmark's shape."""
     from ..kernels.cpu_args import PoolArrays, pool_arrays
-    from ..kernels.cpu_vector import takes
+    from ..kernels.cpu_vector import head_share, takes
 
     H, R, D, BS = (SHAPE[k] for k in ("kv_heads", "n_rep", "head_dim", "block_size"))
     kv, gen = KVSpec.parse(spec), torch.Generator().manual_seed(0)
     kf, k_arrays = pool_arrays(make_pool(kv.k, 1, gen), H, BS, D)
     vf, _ = pool_arrays(make_pool(kv.v, 1, gen), H, BS, D)
     group = k_arrays[PoolArrays._fields.index("group_size")]  # a plain tuple in that order
-    return takes(kf, vf, R, D, BS, D // group)
+    return takes(kf, vf, head_share(R, D), D, BS, D // group)
 
 
 def measure(specs: list[str], batch: int, context: int, reps: int) -> dict:

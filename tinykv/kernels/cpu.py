@@ -43,7 +43,7 @@ from .cpu_maps import head_map_cpu  # noqa: F401 (a layer's transform)
 from .cpu_numerics import AVAILABLE, REASON, numba, use_threads
 from .cpu_plain import attention_kernel
 from .cpu_store import quantize_store_cpu, store_args, store_rows  # noqa: F401 (the store)
-from .cpu_vector import ALL, BY_CHUNK, takes, vector_kernel
+from .cpu_vector import ALL, BY_CHUNK, head_share, takes, vector_kernel
 from .layout import PoolLayer
 from .reference import Partial, paged_attention_ref
 
@@ -230,7 +230,8 @@ class CpuKernels:
         call = None
         k_group, v_group = k_arrays[_GROUP_SIZE], v_arrays[_GROUP_SIZE]  # channels per scale
         if readable(kf, k_group) and readable(vf, v_group):
-            R, k_groups, v_groups = Hq // H, D // k_group, D // v_group
+            k_groups, v_groups = D // k_group, D // v_group
+            R = head_share(Hq // H, D)  # query heads a pass over a KV head's blocks takes
             if self.vector and takes(kf, vf, R, D, BS, k_groups):
                 kernels = vector_kernel(kf, vf, R, D, k_groups, v_groups, *self.variant)
             else:

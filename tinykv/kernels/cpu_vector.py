@@ -21,9 +21,10 @@ What changes from the plain kernel, per tile of 16 keys of one KV head:
 It takes float32 (hot pools and skipped layers at a float32 model's dtype), fp16, bf16, fp8,
 int8, int4 and int2 stores (per-token scales, or scales a block shares; per-token groups too,
 keys then dequantized before their dots: cpu_vector_rows), blocks of a multiple of 16 tokens,
-and R x D up to 512 (the accumulators fill the register file at 512); other pools go to the
-plain kernel. One kernel is compiled per (K format, V format, R, D, groups): the lane counts are
-compile-time constants.
+and R x D up to 512 (the accumulators fill the register file at 512). Where a KV head has more
+query heads than that (R = 8 at D = 128), a work item reads its blocks once per share of them
+(`head_share`), the later passes from L2. Other pools go to the plain kernel. One kernel is
+compiled per (K format, V format, R, D, groups): the lane counts are compile-time constants.
 """
 
 from __future__ import annotations
@@ -79,6 +80,14 @@ LAZY = np.float32(8.0)
 # Blocks between the one read and the one prefetched: 1 is too close to hide DRAM, 2 hides less
 # of it than 4 on an Intel Xeon, and 8 slows KIVI-style (the README's AVX-512 section).
 AHEAD = 4
+MAX_LANES = 512  # R x D: the query heads' lanes an item holds (the value sums' registers)
+
+
+def head_share(R: int, D: int) -> int:
+    """The query heads of a KV head that one pass over its blocks takes: all R where R x D
+    fits MAX_LANES, else as many as do (R = 7 at D = 128: 4, then the last 4), 0 where D alone
+    does not."""
+    return min(R, MAX_LANES // D)
 
 
 def takes(kf: PoolFormat, vf: PoolFormat, R: int, D: int, BS: int, k_groups: int) -> bool:
@@ -92,7 +101,7 @@ def takes(kf: PoolFormat, vf: PoolFormat, R: int, D: int, BS: int, k_groups: int
                                                       or k_groups == 1)) \
         or (grouped_keys(kf, k_groups) and D % (k_groups * planes(kf)) == 0)  # whole elements
     return stored(kf) and stored(vf) and key_ok and D % 16 == 0 and BS % TILE == 0 \
-        and R * D <= 512
+        and 0 < R * D <= MAX_LANES
 
 
 # Whether the value sums go a chunk of channels at a time (cpu_vector_values): where vectors are
@@ -310,6 +319,8 @@ def vector_kernel(kf: PoolFormat, vf: PoolFormat, R: int, D: int, k_groups: int,
     def attend_items(first, last, q, q_seq, q_pos, table, ctx_lens, k, v, H, BS, sm_scale, o,
                      lse):
         n_split, N, Hq, _ = o.shape
+        group = Hq // H  # a KV head's query heads, R of them a pass over its blocks (head_share)
+        passes = (group + R - 1) // R
         buf = np.empty(SCALES + 2 * D, np.float32)
         # The query of keys read in pairs, twice: this block's fold and the next block's.
         q_words = np.empty(4 * RD, np.int16)
@@ -320,9 +331,13 @@ def vector_kernel(kf: PoolFormat, vf: PoolFormat, R: int, D: int, k_groups: int,
             n_blocks = min((n_keys + BS - 1) // BS, table.shape[1])
             per = (n_blocks + n_split - 1) // n_split
             lo, hi = split * per, min(split * per + per, n_blocks)
-            heads = (split * N + n) * Hq + h * R  # the first of the item's query heads
-            attend_item(q, (n * Hq + h * R) * D, sm_scale, table[b], n_keys, lo, hi, h, H, BS,
-                        k, v, buf, q_words, o, heads * D, lse, heads)
+            for p in range(passes):  # the later passes find the blocks in L2
+                # the pass's first query head; the last pass ends at the group's end, so that it
+                # may take again heads of the pass before (each writes the same numbers)
+                first_head = h * group + min(p * R, group - R)
+                heads = (split * N + n) * Hq + first_head  # ... in o and lse
+                attend_item(q, (n * Hq + first_head) * D, sm_scale, table[b], n_keys, lo, hi, h,
+                            H, BS, k, v, buf, q_words, o, heads * D, lse, heads)
 
     @kernel((kf, vf, R, D, k_groups, v_groups, by_chunk, parts), parallel=True,
             error_model="numpy")
