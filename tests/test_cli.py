@@ -309,7 +309,12 @@ PARSE_ERRORS = [
     ("stage-blocks-alone", ["run.py", "w1", "--stage-blocks", "4"], "--host-blocks"),
     ("kernel-aot-and-kv", ["bench", "kernel", "--aot", "--kv", "int4"], "--aot"),
     ("kernel-parts-without-cpu", ["bench", "kernel", "--parts", "--out", "{out}"],
-     "--parts go with --cpu"),
+     "--head-dim go with --cpu"),
+    ("kernel-heads-without-cpu", ["bench", "kernel", "--heads", "2", "4", "--out", "{out}"],
+     "--head-dim go with --cpu"),
+    ("kernel-heads-not-a-multiple", ["bench", "kernel", "--cpu", "--heads", "3", "8", "--out",
+                                     "{out}"], "a multiple of the KV heads"),
+    ("kernel-head-dim-0", ["bench", "kernel", "--cpu", "--head-dim", "0"], "--head-dim"),
     ("quality-no-ppl-text", ["bench", "quality", "--no-ppl", "--text", "{text}"], "--no-ppl"),
     ("readme-and-quick", ["bench", "--readme", "{empty_json}", "--quick"], "--readme"),
     ("peers-no-speed-contexts", ["bench", "peers", "--no-speed", "--contexts", "100"],
@@ -745,6 +750,21 @@ def test_bench_cpu_kernel_prints_its_ceilings_and_fixed_costs(tmp_path: Path) ->
                                       "direct_attend_cold_us", "direct_store_cold_us"))
     assert "cold: attend" in r.stdout and "direct: attend" in r.stdout
     assert len(results["machine"]["overlap"]["rates"]) == 3 and "Reads beside work" in r.stdout
+
+
+def test_bench_cpu_kernel_at_another_model_shape(tmp_path: Path) -> None:
+    """bench kernel --cpu --heads KV Q --head-dim D: pools of that shape, in the JSON and said
+    above the table; 8 query heads of 128 channels a KV head go in two passes of 4."""
+    work, _ = prepare(tmp_path)
+    r = run_cli(["bench", "kernel", "--cpu", "--quick", "--kv", "int8", "--heads", "2", "16",
+                 "--head-dim", "128", "--out", "k.json"], work)
+    assert r.returncode == 0, r.stderr
+    results = json.loads((work / "k.json").read_text())
+    assert {k: results["shape"][k] for k in ("kv_heads", "n_rep", "head_dim")} == \
+        {"kv_heads": 2, "n_rep": 8, "head_dim": 128}
+    assert all(row["ms"] > 0 and row["touch_ms"] > 0 for row in results["rows"])
+    assert "Pools of 2 KV heads, 8 query heads each, head_dim 128" in r.stdout
+    assert "blocks 2 times, 4 of its query heads a pass" in r.stdout
 
 
 @pytest.mark.skipif(not NO_GPU, reason="with a GPU, --attention triton runs compiled")

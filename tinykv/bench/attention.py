@@ -51,6 +51,12 @@ KIVI = "k=int4:channel:asym,v=int4:g32:asym"
 SPECS = ["fp16", "int8", "int4", KIVI]
 
 
+def set_shape(kv_heads: int, n_rep: int, head_dim: int) -> None:
+    """The pools' shape for this process's measurements (bench kernel --cpu --heads, --head-dim):
+    KV heads, query heads per KV head, channels a head."""
+    SHAPE.update(kv_heads=kv_heads, n_rep=n_rep, head_dim=head_dim)
+
+
 # ---- the machine ----------------------------------------------------------------------------
 
 @njit(cache=True)
@@ -349,6 +355,7 @@ def render(results: dict) -> str:
              f"one thread{at_once('fma_g_s_threads')}); kernels for {m.get('cpu_kernels', '?')}. "
              "Past one thread, % read bw and % FMA peak are of that many threads' own; vs 1 "
              "thread is the median over reps of the paired ratio (its range in brackets).", "",
+             _render_shape(results["shape"]), "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results["rows"]:
         name = "KIVI-style" if r["kv"].startswith(KIVI) else r["kv"]
@@ -360,6 +367,22 @@ def render(results: dict) -> str:
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines + _render_fixed(results.get("fixed_us", {}))
                      + overlap.render(m.get("overlap")))
+
+
+def _render_shape(shape: dict) -> str:
+    """The pools' shape in words, and how the kernel takes its query heads."""
+    from ..kernels.cpu_vector import head_share
+
+    R, D = shape["n_rep"], shape["head_dim"]
+    line = (f"Pools of {shape['kv_heads']} KV heads, {R} query heads each, head_dim {D}, blocks "
+            f"of {shape['block_size']} tokens")
+    share = head_share(R, D)
+    if share == 0:
+        return line + "; the vector kernel takes no head_dim this wide (the plain one reads them)."
+    if share < R:
+        return line + (f"; the vector kernel reads a KV head's blocks {-(-R // share)} times, "
+                       f"{share} of its query heads a pass.")
+    return line + "."
 
 
 def _render_fixed(fixed: dict) -> list[str]:

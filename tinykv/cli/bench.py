@@ -61,8 +61,8 @@ def cmd_bench_kernel(args) -> None:
     given = {dest for _, dest, _ in given_flags(args)}
     if args.cpu:
         return cmd_bench_cpu_kernel(args, given)
-    if given & {"thread_counts", "parts"}:
-        raise UsageError("bench kernel: --threads and --parts go with --cpu")
+    if given & {"thread_counts", "parts", "heads", "head_dim"}:
+        raise UsageError("bench kernel: --threads, --parts, --heads and --head-dim go with --cpu")
     if args.aot:
         kernel.aot_report(out=args.out if "out" in given else None)
         return
@@ -75,12 +75,20 @@ def cmd_bench_kernel(args) -> None:
 
 
 def cmd_bench_cpu_kernel(args, given: set[str]) -> None:
-    """bench kernel --cpu: bench/attention.py at the default model's shape, one layer call (and
-    with --parts, bench/parts.py)."""
+    """bench kernel --cpu: bench/attention.py at the default model's shape (or --heads and
+    --head-dim), one layer call (and with --parts, bench/parts.py)."""
     from ..bench import attention, parts
 
     if "aot" in given or "block_size" in given or "reps" in given:
-        raise UsageError("bench kernel --cpu takes --kv, --quick, --threads, --parts and --out")
+        raise UsageError("bench kernel --cpu takes --kv, --quick, --threads, --parts, --heads, "
+                         "--head-dim and --out")
+    kv_heads, query_heads = args.heads or (attention.SHAPE["kv_heads"],
+                                           attention.SHAPE["kv_heads"] * attention.SHAPE["n_rep"])
+    if query_heads % kv_heads:
+        raise UsageError(f"bench kernel --cpu: --heads {kv_heads} {query_heads}: the query heads "
+                         "must be a multiple of the KV heads")
+    attention.set_shape(kv_heads, query_heads // kv_heads,
+                        args.head_dim or attention.SHAPE["head_dim"])
     for spec in args.kv or []:
         spec.k.check(attention.SHAPE["head_dim"])
         spec.v.check(attention.SHAPE["head_dim"])

@@ -246,6 +246,11 @@ def add_kernel_parser(bsub: argparse._SubParsersAction) -> None:
     k.add_argument("--parts", action="store_true",
                    help="with --cpu: also where a call's time goes (keys, values, the rest), "
                         "each part timed alone with K/V in cache")
+    k.add_argument("--heads", type=POSITIVE, nargs=2, metavar=("KV", "Q"),
+                   help="with --cpu: the pools' KV heads and the query heads over them (default: "
+                        "the default model's, 3 and 9)")
+    k.add_argument("--head-dim", type=int_range(16, 1024), metavar="D",
+                   help="with --cpu: channels a head (default: the default model's, 64)")
     k.set_defaults(prog=k.prog)
 
 
