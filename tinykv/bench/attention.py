@@ -38,7 +38,7 @@ from ..outputs import write_text
 from ..quant import compute_scales, quantize
 from ..spec import KVSpec, QuantParams
 from . import overlap
-from .ceilings import fma_peak, reads_in_turn, set_threads
+from .ceilings import clock_ghz, fma_peak, last_level_cache, reads_in_turn, set_threads
 from .common import cpu_target
 
 SHAPE = dict(kv_heads=3, n_rep=3, head_dim=64, block_size=16)  # the default model's
@@ -55,32 +55,6 @@ def set_shape(kv_heads: int, n_rep: int, head_dim: int) -> None:
     """The pools' shape for this process's measurements (bench kernel --cpu --heads, --head-dim):
     KV heads, query heads per KV head, channels a head."""
     SHAPE.update(kv_heads=kv_heads, n_rep=n_rep, head_dim=head_dim)
-
-
-# ---- the machine ----------------------------------------------------------------------------
-
-@njit(cache=True)
-def _chain(n, x):
-    """n iterations of two dependent 1-cycle integer ops (a shift, then an xor)."""
-    for i in range(n):
-        x = (x >> np.uint64(1)) ^ (x + np.uint64(i))
-    return x
-
-
-def clock_ghz(n: int = 50_000_000) -> float:
-    """The core's clock: 2 cycles an iteration of `_chain` (best of 3)."""
-    _chain(10, np.uint64(1))
-    return 2 * n / min(timed(_chain, n, np.uint64(12345)) for _ in range(3)) / 1e9
-
-
-def last_level_cache() -> int:
-    """Bytes of the largest CPU cache (sysfs), 64 MiB where it cannot be read."""
-    sizes = []
-    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
-        text = f.read_text().strip().upper()
-        mult = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
-        sizes.append(int(text.rstrip("KMG")) * mult)
-    return max(sizes, default=64 * 2**20)
 
 
 def timed(fn, *args) -> float:

@@ -1,6 +1,7 @@
-"""What a decode step may cost at best, measured or counted: the machine's read bandwidth and
-FMA peak (numba), the weights a step reads and the multiply-adds its linear layers make (bench
-roofline, bench peers); and the thread count the measurements run on."""
+"""What a decode step may cost at best, measured or counted: the machine's read bandwidth, FMA
+peak and clock (numba) and its last-level cache, the weights a step reads and the multiply-adds
+its linear layers make (bench roofline, bench peers); and the thread count the measurements run
+on."""
 
 from __future__ import annotations
 
@@ -8,11 +9,13 @@ import importlib.util
 import time
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from .. import gemv
+from ..kernels.cpu_numerics import njit
 from ..model import Transformer
 from ..packed import packed_arrays, packed_bytes
 
@@ -38,6 +41,29 @@ def seconds(fn: Callable[[], object], reps: int) -> list[float]:
         fn()
         out.append(time.perf_counter() - t0)
     return out
+
+
+@njit(cache=True)
+def _chain(n, x):
+    """n iterations of two dependent 1-cycle integer ops (a shift, then an xor)."""
+    for i in range(n):
+        x = (x >> np.uint64(1)) ^ (x + np.uint64(i))
+    return x
+
+
+def clock_ghz(n: int = 50_000_000) -> float:
+    """The core's clock: 2 cycles an iteration of `_chain` (best of 3)."""
+    return 2 * n / min(seconds(lambda: _chain(n, np.uint64(12345)), 3)) / 1e9
+
+
+def last_level_cache() -> int:
+    """Bytes of the largest CPU cache (sysfs), 64 MiB where it cannot be read."""
+    sizes = []
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = f.read_text().strip().upper()
+        mult = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+        sizes.append(int(text.rstrip("KMG")) * mult)
+    return max(sizes, default=64 * 2**20)
 
 
 def measure_bandwidth(mib: int, reps: int) -> dict:

@@ -84,9 +84,8 @@ MAX_LANES = 512  # R x D: the query heads' lanes an item holds (the value sums' 
 
 
 def head_share(R: int, D: int) -> int:
-    """The query heads of a KV head that one pass over its blocks takes: all R where R x D
-    fits MAX_LANES, else as many as do (R = 7 at D = 128: 4, then the last 4), 0 where D alone
-    does not."""
+    """The query heads of a KV head one pass over its blocks takes: all R where R x D fits
+    MAX_LANES, else as many as do (R = 7, D = 128: 4, then the last 4), 0 if D alone does not."""
     return min(R, MAX_LANES // D)
 
 
@@ -320,7 +319,6 @@ def vector_kernel(kf: PoolFormat, vf: PoolFormat, R: int, D: int, k_groups: int,
                      lse):
         n_split, N, Hq, _ = o.shape
         group = Hq // H  # a KV head's query heads, R of them a pass over its blocks (head_share)
-        passes = (group + R - 1) // R
         buf = np.empty(SCALES + 2 * D, np.float32)
         # The query of keys read in pairs, twice: this block's fold and the next block's.
         q_words = np.empty(4 * RD, np.int16)
@@ -331,9 +329,8 @@ def vector_kernel(kf: PoolFormat, vf: PoolFormat, R: int, D: int, k_groups: int,
             n_blocks = min((n_keys + BS - 1) // BS, table.shape[1])
             per = (n_blocks + n_split - 1) // n_split
             lo, hi = split * per, min(split * per + per, n_blocks)
-            for p in range(passes):  # the later passes find the blocks in L2
-                # the pass's first query head; the last pass ends at the group's end, so that it
-                # may take again heads of the pass before (each writes the same numbers)
+            for p in range((group + R - 1) // R):  # the later passes find the blocks in L2
+                # the last pass ends at the group's end: it may redo heads (the same numbers)
                 first_head = h * group + min(p * R, group - R)
                 heads = (split * N + n) * Hq + first_head  # ... in o and lse
                 attend_item(q, (n * Hq + first_head) * D, sm_scale, table[b], n_keys, lo, hi, h,
