@@ -315,6 +315,8 @@ PARSE_ERRORS = [
     ("kernel-heads-not-a-multiple", ["bench", "kernel", "--cpu", "--heads", "3", "8", "--out",
                                      "{out}"], "a multiple of the KV heads"),
     ("kernel-head-dim-0", ["bench", "kernel", "--cpu", "--head-dim", "0"], "--head-dim"),
+    ("kernel-head-dim-odd-int4", ["bench", "kernel", "--cpu", "--head-dim", "17", "--kv", "int4",
+                                  "--out", "{out}"], "not a multiple of the 2 codes a byte holds"),
     ("quality-no-ppl-text", ["bench", "quality", "--no-ppl", "--text", "{text}"], "--no-ppl"),
     ("readme-and-quick", ["bench", "--readme", "{empty_json}", "--quick"], "--readme"),
     ("peers-no-speed-contexts", ["bench", "peers", "--no-speed", "--contexts", "100"],

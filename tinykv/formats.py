@@ -162,9 +162,12 @@ class QuantParams:
 
     def check(self, head_dim: int) -> None:
         """Raise SpecError unless rows of head_dim channels fit this format (groups, packing)."""
-        if head_dim % max(self.group, 1) or head_dim % self.per_byte:
+        if self.group and head_dim % self.group:
             raise spec_error(str(self), f"head_dim {head_dim} is not a multiple of the group size "
-                        f"{self.group} / values per byte {self.per_byte}")
+                                        f"{self.group}")
+        if head_dim % self.per_byte:
+            raise spec_error(str(self), f"head_dim {head_dim} is not a multiple of the "
+                                        f"{self.per_byte} codes a byte holds")
 
     @property
     def stored(self) -> QuantParams:

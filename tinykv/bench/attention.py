@@ -348,8 +348,9 @@ def _render_shape(shape: dict) -> str:
     from ..kernels.cpu_vector import head_share
 
     R, D = shape["n_rep"], shape["head_dim"]
-    line = (f"Pools of {shape['kv_heads']} KV heads, {R} query heads each, head_dim {D}, blocks "
-            f"of {shape['block_size']} tokens")
+    kv = shape["kv_heads"]
+    line = (f"Pools of {kv} KV head{'s' * (kv > 1)}, {R} query head{'s' * (R > 1)} each, head_dim "
+            f"{D}, blocks of {shape['block_size']} tokens")
     share = head_share(R, D)
     if share == 0:
         return line + "; the vector kernel takes no head_dim this wide (the plain one reads them)."
