@@ -31,6 +31,7 @@ from tinykv import quant
 from tinykv.kernels import cpu as kernels_cpu
 from tinykv.kernels import cpu_vector
 from tinykv.kernels.cpu_args import pool_arrays
+from tinykv.kernels.cpu_simd import WIDE_VECTORS
 from tinykv.kernels.cpu_vector import head_share, takes
 from tinykv.kernels.reference import merge_partials, paged_attention_ref, quantize_store_ref
 from tinykv.spec import QuantParams
@@ -268,6 +269,14 @@ def test_vector_kernel_takes_the_default_model_formats():
         pool = make_pool(spec, 3, 16, 64, torch.Generator().manual_seed(0))
         fmt, arrays = pool_arrays(pool, 3, 16, 64)
         assert takes(fmt, fmt, 3, 64, 16, 64 // arrays[7]), spec
+
+
+def test_value_sums_stay_in_registers_only_where_they_fit():
+    """All R x D value sums at once only with 512-bit vectors and up to 384 lanes (24 of the 32
+    registers); a chunk of channels at a time past that, and always with 256-bit vectors."""
+    shapes = [(3, 64), (3, 128), (4, 96), (4, 128), (8, 64), (5, 96)]  # 192 ... 384, 480 ... 512
+    got = [cpu_vector.values_by_chunk(R, D) for R, D in shapes]
+    assert got == ([False, False, False, True, True, True] if WIDE_VECTORS else [True] * 6)
 
 
 def test_vector_kernel_takes_large_groups_in_passes():

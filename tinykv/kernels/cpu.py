@@ -43,7 +43,7 @@ from .cpu_maps import head_map_cpu  # noqa: F401 (a layer's transform)
 from .cpu_numerics import AVAILABLE, REASON, numba, use_threads
 from .cpu_plain import attention_kernel
 from .cpu_store import quantize_store_cpu, store_args, store_rows  # noqa: F401 (the store)
-from .cpu_vector import ALL, BY_CHUNK, head_share, takes, vector_kernel
+from .cpu_vector import ALL, head_share, takes, vector_kernel
 from .layout import PoolLayer
 from .reference import Partial, paged_attention_ref
 
@@ -106,7 +106,7 @@ class CpuKernels:
     STEPS = 4  # a step attends a store pool, a hot pool and staged chunks: tables per step
 
     def __init__(self, vector: bool = True, threads_min_reads: int = THREADS_MIN_READS,
-                 by_chunk: bool = BY_CHUNK, parts: int = ALL):
+                 by_chunk: bool | None = None, parts: int = ALL):
         assert AVAILABLE, REASON
         self.vector = vector  # the vector kernel where it takes the formats (else cpu_plain's)
         self.variant = (by_chunk, parts)  # cpu_vector.vector_kernel's (parts: ALL but in a bench)

@@ -14,7 +14,7 @@ What changes from the plain kernel, per tile of 16 keys of one KV head:
 - Values (cpu_vector_values.py): each key's codes are widened to float lanes (minus the zero
   point, times the scale where scales are per group or per block), then one multiply-add per 16
   lanes and head, the key's weight broadcast from memory, adds them into accumulators: all R x D
-  where they fit the registers (AVX-512), else a chunk of channels at a time (`BY_CHUNK`).
+  where they fit the registers (AVX-512), else a chunk of channels at a time (`values_by_chunk`).
 - A later block's scales (where they change per block) are prefetched when this block starts, its
   codes a row per key this block reads, so the requests are spread over the work.
 
@@ -35,7 +35,7 @@ import numpy as np
 
 from .cpu_args import SHARED_SCALES, TOKEN_SCALES, PoolFormat
 from .cpu_numerics import FAST, INTEGER, LN2, LOG2E, kernel, njit, prange
-from .cpu_simd import WIDE_VECTORS, load, splat, store, to_float
+from .cpu_simd import load, splat, store, to_float
 from .cpu_simd_ops import (
     BYTES,
     WORDS,
@@ -70,7 +70,7 @@ from .cpu_vector_rows import (
     scale_loader,
     tile_scorer,
 )
-from .cpu_vector_values import TILE, chunk_lanes, value_summer, weights_by_group
+from .cpu_vector_values import TILE, chunk_lanes, value_summer, values_by_chunk, weights_by_group
 
 Q16_MAX = np.float32(32767.0)  # the int16 query's largest code (as cpu_plain)
 # How far a score may pass the running maximum m before the sums are rescaled to a new one:
@@ -103,10 +103,6 @@ def takes(kf: PoolFormat, vf: PoolFormat, R: int, D: int, BS: int, k_groups: int
         and 0 < R * D <= MAX_LANES
 
 
-# Whether the value sums go a chunk of channels at a time (cpu_vector_values): where vectors are
-# 256 bits (AVX2: 16 registers of 8 floats), whose registers cannot hold the sums of R heads,
-# R x D lanes (24 registers at R = 3, D = 64).
-BY_CHUNK = not WIDE_VECTORS
 # The two halves of a tile's work (vector_kernel's `parts`): a cache runs ALL; `bench kernel
 # --cpu --parts` times each alone to show where a call's time goes. Without KEYS every key scores
 # 0 (the weights are even); without VALUES the sums stay 0 (the softmax's sums are still made).
@@ -116,11 +112,13 @@ ALL = KEYS | VALUES
 
 @cache
 def vector_kernel(kf: PoolFormat, vf: PoolFormat, R: int, D: int, k_groups: int, v_groups: int,
-                  by_chunk: bool = BY_CHUNK, parts: int = ALL) -> tuple:
+                  by_chunk: bool | None = None, parts: int = ALL) -> tuple:
     """(serial, parallel) vector kernels for one pair of formats and shape (R query heads a KV
     head, D channels, scale groups of K and V); the arguments and work items are
-    cpu_plain.attention_kernel's. by_chunk: values summed a chunk of channels at a time
-    (BY_CHUNK), or all D at once. parts: which halves of the work run (ALL, KEYS, VALUES)."""
+    cpu_plain.attention_kernel's. by_chunk: values summed a chunk of channels at a time, or all D
+    at once (None: as values_by_chunk says). parts: which halves of the work run (ALL, KEYS,
+    VALUES)."""
+    by_chunk = values_by_chunk(R, D) if by_chunk is None else by_chunk
     with_keys, with_values = bool(parts & KEYS), bool(parts & VALUES)
     RD, R16 = R * D, R * TILE  # lanes: R heads x D channels, R heads x 16 keys
     k_int, k_scaled = kf.code == INTEGER, kf.code in SCALED  # fp8: scaled, dots in float32

@@ -4,8 +4,9 @@ added into the value sums of its R query heads.
 The sums go a chunk of C channels at a time (`chunk_lanes`): for each key, its C codes are
 widened to float32 lanes straight from the pool and added, times the key's weight per head, into
 R x C accumulators, which stay in registers for the whole tile. C = D where the registers hold
-all R x D sums (AVX-512); narrower where they do not (AVX2: 16 registers of 8 floats), so that
-no value row is written out as floats and read back once per head.
+all R x D sums (AVX-512, up to SUMS_IN_REGISTERS); narrower where they do not (AVX2: 16
+registers of 8 floats), so that no value row is written out as floats and read back once per
+head.
 
 The sums live in `buf` chunk by chunk (R x C lanes each), not head by head; `head_sums` puts
 them back in (R x D) order at the end of a work item.
@@ -17,7 +18,7 @@ import numpy as np
 
 from .cpu_args import SHARED_SCALES, TOKEN_SCALES, PoolFormat
 from .cpu_numerics import njit
-from .cpu_simd import load, splat, store
+from .cpu_simd import WIDE_VECTORS, load, splat, store
 from .cpu_simd_ops import BYTES, repeat, spread, spread_loads, stored_order
 from .cpu_vector_rows import SCALED, float_codes, group_dequantizer, planes, scale_loader
 
@@ -26,6 +27,10 @@ TILE = 16  # keys scored together (cpu_vector): one lane each in the score vecto
 # key's C lanes (where more than one head uses them) and a weight. Fewer than 8 accumulators
 # leave the multiply-adds waiting on each other (a sum takes 4 cycles, and two start a cycle).
 MOST_SUMS, MOST_LANES = 96, 120
+# R x D value sums that AVX-512's 32 registers hold beside a tile's work (24 of them): with more
+# (R = 8 at D = 64, 5 at 96, 4 at 128) they spill, and a chunk at a time is faster (the README's
+# section on wide GQA groups).
+SUMS_IN_REGISTERS = 384
 
 
 def chunk_lanes(R: int, D: int) -> int:
@@ -34,6 +39,13 @@ def chunk_lanes(R: int, D: int) -> int:
     fits = [c for c in range(16, D + 1, 16) if D % c == 0 and R * c <= MOST_SUMS
             and (R == 1 or (R + 1) * c <= MOST_LANES)]
     return max(fits, default=16)
+
+
+def values_by_chunk(R: int, D: int) -> bool:
+    """Whether the value sums go a chunk of channels at a time: where vectors are 256 bits (16
+    registers of 8 floats cannot hold R heads' sums, 24 registers at R = 3, D = 64), and where
+    R x D passes SUMS_IN_REGISTERS."""
+    return not WIDE_VECTORS or R * D > SUMS_IN_REGISTERS
 
 
 def weights_by_group(fmt: PoolFormat, D: int, groups: int) -> bool:
