@@ -317,6 +317,11 @@ PARSE_ERRORS = [
     ("kernel-head-dim-0", ["bench", "kernel", "--cpu", "--head-dim", "0"], "--head-dim"),
     ("kernel-head-dim-odd-int4", ["bench", "kernel", "--cpu", "--head-dim", "17", "--kv", "int4",
                                   "--out", "{out}"], "not a multiple of the 2 codes a byte holds"),
+    # the default specs, not given: a head_dim one of them cannot hold says which
+    ("kernel-head-dim-odd-defaults", ["bench", "kernel", "--cpu", "--head-dim", "17", "--out",
+                                      "{out}"], "the default spec 'int4' cannot hold it"),
+    ("kernel-head-dim-48-defaults", ["bench", "kernel", "--cpu", "--head-dim", "48", "--out",
+                                     "{out}"], "multiple of the group size 32"),
     ("quality-no-ppl-text", ["bench", "quality", "--no-ppl", "--text", "{text}"], "--no-ppl"),
     ("readme-and-quick", ["bench", "--readme", "{empty_json}", "--quick"], "--readme"),
     ("peers-no-speed-contexts", ["bench", "peers", "--no-speed", "--contexts", "100"],

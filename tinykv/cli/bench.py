@@ -7,6 +7,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from ..spec import KVSpec, SpecError
 from .commands import check_io, load_model, warn, window_of
 from .flags import given_flags
 from .inputs import UsageError, read_text
@@ -89,9 +90,18 @@ def cmd_bench_cpu_kernel(args, given: set[str]) -> None:
                          "must be a multiple of the KV heads")
     attention.set_shape(kv_heads, query_heads // kv_heads,
                         args.head_dim or attention.SHAPE["head_dim"])
+    head_dim = attention.SHAPE["head_dim"]
     for spec in args.kv or []:
-        spec.k.check(attention.SHAPE["head_dim"])
-        spec.v.check(attention.SHAPE["head_dim"])
+        spec.k.check(head_dim)
+        spec.v.check(head_dim)
+    for name in [] if args.kv else attention.SPECS:  # the default specs, which were not given
+        default = KVSpec.parse(name)
+        try:
+            default.k.check(head_dim)
+            default.v.check(head_dim)
+        except SpecError as e:
+            raise UsageError(f"bench kernel --cpu --head-dim {head_dim}: the default spec "
+                             f"'{name}' cannot hold it ({e}); give --kv specs that can") from None
     out = Path(args.out if "out" in given else "bench/attention-cpu.json")
     derived = {"the chart": out.with_suffix(".png")}
     if "out" not in given:  # --out (checked as given) otherwise names the JSON
