@@ -66,11 +66,11 @@ def tiny_tensors(cfg: dict) -> dict[str, torch.Tensor]:
     return out
 
 
-def word_tokenizer(path: Path) -> None:
-    """tokenizer.json: the words w0 .. w255 are the tokens 0 .. 255."""
+def word_tokenizer(path: Path, n_words: int = 256) -> None:
+    """tokenizer.json: the words w0 .. w{n_words - 1} are the tokens 0 .. n_words - 1."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(256)}, unk_token="w0"))
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(n_words)}, unk_token="w0"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(path))
 
@@ -110,6 +110,10 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     bad_tok = write_model(root / "bad_tokenizer", cfg, good)
     (bad_tok / "tokenizer.json").write_text("{}")
     out["bad_tokenizer"] = bad_tok
+    # another model's tokenizer: more words than the embedding has rows
+    foreign = write_model(root / "foreign_tokenizer", cfg, good)
+    word_tokenizer(foreign / "tokenizer.json", n_words=512)
+    out["foreign_tokenizer"] = foreign
     # keys of ~1e5 overflow fp16 (max 65504) to inf
     big = dict(good)
     k_proj = "model.layers.0.self_attn.k_proj.weight"
@@ -120,6 +124,8 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     text.write_text(words(300))
     out["text"], out["short_text"] = text, root / "short.txt"
     out["short_text"].write_text(words(17))
+    out["foreign_text"] = root / "foreign.txt"
+    out["foreign_text"].write_text(words(300) + " w511")
     # scales that fit, then scales a million times too small: valid but absurd
     model = Transformer.from_pretrained(out["tiny"], device="cpu")
     spec = KVSpec.parse("int8:tensor:static")
@@ -427,6 +433,10 @@ MODEL_ERRORS = [
     ("tensor-wrong-shape", ["run.py", "w1", "--weights", "{wrong_shape}"], "{wrong_shape}"),
     ("corrupt-safetensors", ["run.py", "w1", "--weights", "{corrupt}"], "safetensors"),
     ("corrupt-tokenizer", ["run.py", "w1", "--weights", "{bad_tokenizer}"], "tokenizer.json"),
+    ("foreign-tokenizer", ["run.py", "w1 w300", "--weights", "{foreign_tokenizer}"],
+     "token id 300, past the model's 256 tokens"),
+    ("eval-foreign-tokenizer", ["eval", "--weights", "{foreign_tokenizer}", "--text",
+                                "{foreign_text}"], "tokenizer.json is not this model's"),
     ("prompt-over-context", ["run.py", "--prompt-file", "{long_txt}", "--weights", "{tiny}"],
      "context"),
     ("fp16-overflow", ["run.py", "w1 w2 w3", "--weights", "{big_keys}", "--kv", "fp16", *GEN],

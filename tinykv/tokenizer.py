@@ -32,11 +32,13 @@ class Tokenizer:
     generation."""
 
     def __init__(self, tok: HFTokenizer, chat_template: str | None, bos_token: str | None,
-                 eos_token: str | None, add_bos: bool, eos_ids: set[int]):
+                 eos_token: str | None, add_bos: bool, eos_ids: set[int],
+                 vocab_size: int | None = None):
         self.tok, self.chat_template = tok, chat_template
         self.add_bos, self.eos_ids = add_bos, eos_ids
         self.bos_token, self.eos_token = bos_token, eos_token
         self.bos_id = tok.token_to_id(bos_token) if bos_token else None
+        self.vocab_size = vocab_size  # the model's embedding rows (config.json), when known
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -52,7 +54,8 @@ class Tokenizer:
             raise TokenizerError(f"malformed {path / 'tokenizer.json'}: {first}") from None
         tcfg = Fields.load(path / "tokenizer_config.json")
         bos, eos_token = tcfg.token("bos_token"), tcfg.token("eos_token")
-        eos = set(Fields.load(path / "config.json").ids("eos_token_id"))
+        config = Fields.load(path / "config.json")
+        eos = set(config.ids("eos_token_id"))
         eos |= set(Fields.load(path / "generation_config.json").ids("eos_token_id"))
         if eos_token and tok.token_to_id(eos_token) is not None:
             eos.add(tok.token_to_id(eos_token))
@@ -64,7 +67,8 @@ class Tokenizer:
             ends = "end" in name or "eot" in name
             if added.special and name in (template or "") and ends:
                 eos.add(tok.token_to_id(name))
-        return cls(tok, template, bos, eos_token, tcfg.bool("add_bos_token", False), eos)
+        return cls(tok, template, bos, eos_token, tcfg.bool("add_bos_token", False), eos,
+                   config.int("vocab_size", None, lo=1))
 
     def encode(self, text: str) -> list[int]:
         try:  # a lone surrogate (a JSON "\ud800", a byte of another encoding) is no text
@@ -74,7 +78,14 @@ class Tokenizer:
                                  f"{e.start}, a lone surrogate, not a character") from None
         # Special tokens written in the text (e.g. "<|im_start|>") become their single ids.
         ids = self.tok.encode(text, add_special_tokens=False).ids
-        return [self.bos_id, *ids] if self.add_bos and self.bos_id is not None else ids
+        ids = [self.bos_id, *ids] if self.add_bos and self.bos_id is not None else ids
+        # A tokenizer.json from another model gives ids the embedding has no row for: said here,
+        # not as an index error deep in the first forward pass.
+        if self.vocab_size is not None and ids and max(ids) >= self.vocab_size:
+            raise TokenizerError(f"the tokenizer gives token id {max(ids)}, past the model's "
+                                 f"{self.vocab_size} tokens (config.json's vocab_size): "
+                                 "tokenizer.json is not this model's")
+        return ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
