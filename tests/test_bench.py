@@ -216,3 +216,38 @@ def test_profile_times_packed_weights_beside_their_float32_selves(tiny):
     assert plain["weight_bytes"] == alone["F.linear"]["weight_bytes"]
     saved = w.nbytes - packed.packed_bytes(w)
     assert alone["model (linear_cpu)"]["weight_bytes"] == plain["weight_bytes"] - saved > 0
+
+
+def test_default_specs_a_model_cannot_take_are_left_out_and_named_once(capsys):
+    """KIVI-style's value groups of 32 do not divide a head_dim of 80 or 16: the benchmarks run
+    the other default specs on such a model and say which one they left out, and why."""
+    from types import SimpleNamespace
+
+    from tinykv.bench.common import specs_that_fit
+
+    assert specs_that_fit(be.DEFAULT_SPECS, SimpleNamespace(n_layers=2, head_dim=64)) == \
+        list(be.DEFAULT_SPECS)
+    assert capsys.readouterr().err == ""
+    left_out: set[str] = set()
+    narrow = SimpleNamespace(n_layers=2, head_dim=80)
+    assert specs_that_fit(be.DEFAULT_SPECS, narrow, left_out) == ["fp16", "int8", "int4"]
+    assert specs_that_fit(be.MEM_SPECS, narrow, left_out) == [s for s in be.MEM_SPECS
+                                                              if s != be.KIVI]
+    err = capsys.readouterr().err
+    assert err.count("left out") == 1 and "not a multiple of the group size 32" in err
+    odd = SimpleNamespace(n_layers=2, head_dim=18)  # int2 packs 4 codes a byte
+    assert "int2" not in specs_that_fit(be.MEM_SPECS, odd) and "int4" in specs_that_fit(
+        be.MEM_SPECS, odd)
+
+
+def test_bench_mode_fits_a_short_context(capsys):
+    """A model whose context is shorter than the mode's longest prompt runs the lengths that fit
+    (the others named), with batch prompts and the perplexity window within its context; one
+    that fits none is refused before any run."""
+    quick = be.MODES["quick"]
+    mode = be.fit_context(dict(quick), 512)
+    assert mode["lengths"] == [128] and "[1024] are left out" in capsys.readouterr().err
+    assert mode["batch_lens"][1] + mode["batch_new"] < 512 and mode["window"] == 512
+    assert be.fit_context(dict(quick), 100_000) == {**quick}
+    with pytest.raises(ValueError, match="holds none of the prompt lengths"):
+        be.fit_context(dict(quick), 128 + quick["new"])

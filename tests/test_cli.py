@@ -323,11 +323,6 @@ PARSE_ERRORS = [
     ("kernel-head-dim-0", ["bench", "kernel", "--cpu", "--head-dim", "0"], "--head-dim"),
     ("kernel-head-dim-odd-int4", ["bench", "kernel", "--cpu", "--head-dim", "17", "--kv", "int4",
                                   "--out", "{out}"], "not a multiple of the 2 codes a byte holds"),
-    # the default specs, not given: a head_dim one of them cannot hold says which
-    ("kernel-head-dim-odd-defaults", ["bench", "kernel", "--cpu", "--head-dim", "17", "--out",
-                                      "{out}"], "the default spec 'int4' cannot hold it"),
-    ("kernel-head-dim-48-defaults", ["bench", "kernel", "--cpu", "--head-dim", "48", "--out",
-                                     "{out}"], "multiple of the group size 32"),
     ("quality-no-ppl-text", ["bench", "quality", "--no-ppl", "--text", "{text}"], "--no-ppl"),
     ("readme-and-quick", ["bench", "--readme", "{empty_json}", "--quick"], "--readme"),
     ("peers-no-speed-contexts", ["bench", "peers", "--no-speed", "--contexts", "100"],
@@ -782,6 +777,19 @@ def test_bench_cpu_kernel_at_another_model_shape(tmp_path: Path) -> None:
     assert all(row["ms"] > 0 and row["touch_ms"] > 0 for row in results["rows"])
     assert "Pools of 2 KV heads, 8 query heads each, head_dim 128" in r.stdout
     assert "blocks 2 times, 4 of its query heads a pass" in r.stdout
+
+
+def test_bench_kernel_cpu_runs_the_default_specs_that_fit_a_head_dim(tmp_path: Path) -> None:
+    """--head-dim 48 without --kv: KIVI-style (value groups of 32) is left out and named on
+    stderr, the other default specs run."""
+    work, _ = prepare(tmp_path)
+    r = run_cli(["bench", "kernel", "--cpu", "--quick", "--head-dim", "48", "--out", "k.json"],
+                work)
+    assert r.returncode == 0, r.stderr
+    ran = {row["kv"] for row in json.loads((work / "k.json").read_text())["rows"]}
+    assert ran == {"fp16", "int8", "int4"}
+    assert "k=int4:channel:asym,v=int4:g32:asym is left out" in r.stderr
+    assert "head_dim 48 is not a multiple of the group size 32" in r.stderr
 
 
 @pytest.mark.skipif(not NO_GPU, reason="with a GPU, --attention triton runs compiled")

@@ -8,6 +8,7 @@ import importlib.util
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -85,3 +86,25 @@ def time_in_turn(steps_of: dict[str, Callable[[], None]],
             times[name].append(time.perf_counter() - t0)
             kv_bytes[name].append(held_of[name]())
     return {name: (times[name], statistics.mean(kv_bytes[name])) for name in steps_of}
+
+
+def specs_that_fit(names, cfg, left_out: set[str] | None = None) -> list[str]:
+    """Those of a benchmark's default KV specs (names) that a model of config cfg takes (its
+    layers, its head_dim: KIVI-style's groups of 32 channels do not divide a head_dim of 80).
+    Each other one is named on stderr (once: left_out, where given, holds those named) and left
+    out, so that a model of another shape still runs the rest; specs a user gives are checked
+    whole instead (KVSpec.check raises)."""
+    from ..spec import KVSpec, SpecError
+
+    left_out = set() if left_out is None else left_out
+    kept = []
+    for name in names:
+        try:
+            KVSpec.parse(name).check(cfg.n_layers, cfg.head_dim)
+        except SpecError as e:
+            if name not in left_out:
+                print(f"[tinykv] the default spec {name} is left out: {e}", file=sys.stderr)
+            left_out.add(name)
+            continue
+        kept.append(name)
+    return kept

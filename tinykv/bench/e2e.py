@@ -17,6 +17,7 @@ import importlib.util
 import json
 import random
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from itertools import zip_longest
@@ -33,7 +34,7 @@ from ..outputs import write_text
 from ..plots import save_figure
 from ..spec import KVSpec
 from .charts import grouped_bars
-from .common import machine_info, md_table, repeat_to
+from .common import machine_info, md_table, repeat_to, specs_that_fit
 
 KIVI = "k=int4:channel:asym,v=int4:g32:asym,residual=64"
 DEFAULT_SPECS = ("fp16", "int8", "int4", KIVI)
@@ -248,8 +249,11 @@ def bench_quality(model: Transformer, tokens: list[int], specs: list[str], windo
 
 
 def collect(model: Transformer, hf, ids: list[int], m: dict, specs: list[str],
-            batch_kv: str = "int8", hf_quant: bool = False, tick: Tick = _nop) -> dict:
-    """Every part of the benchmark in mode `m` (see MODES), prompts cut from the token ids `ids`."""
+            batch_kv: str = "int8", hf_quant: bool = False, tick: Tick = _nop,
+            mem_specs: list[str] | None = None) -> dict:
+    """Every part of the benchmark in mode `m` (see MODES), prompts cut from the token ids `ids`;
+    the memory and quality tables over mem_specs (default MEM_SPECS)."""
+    mem_specs = MEM_SPECS if mem_specs is None else mem_specs
     need = needed_tokens(m)
     if len(ids) < need:
         raise ValueError(f"the text has {len(ids)} tokens; this benchmark needs {need}")
@@ -269,10 +273,10 @@ def collect(model: Transformer, hf, ids: list[int], m: dict, specs: list[str],
         starts = [max(m["lengths"]) + sum(lens[:i]) for i in range(n)]
         prompts = [ids[s:s + k] for s, k in zip(starts, lens)]
         out["batch"].append(bench_batch(model, prompts, batch_kv, m["batch_new"], tick))
-    memory = bench_memory(model.cfg, MEM_SPECS, dtype=model.embed.weight.dtype)
+    memory = bench_memory(model.cfg, mem_specs, dtype=model.embed.weight.dtype)
     out["memory"] = {"budget_bytes": BUDGET, "rows": memory}
     window = min(m["window"], m["ppl_tokens"])
-    out["quality"] = bench_quality(model, ids[:m["ppl_tokens"]], MEM_SPECS, window, tick)
+    out["quality"] = bench_quality(model, ids[:m["ppl_tokens"]], mem_specs, window, tick)
     return out
 
 
@@ -391,8 +395,10 @@ def run(model: Transformer, weights: Path, text: str, text_name: str, quick: boo
 
     from ..tokenizer import Tokenizer
 
-    specs = specs or list(DEFAULT_SPECS)
-    mode = dict(MODES["quick" if quick else "full"])
+    left_out: set[str] = set()  # default specs this model's shape does not take
+    specs = specs or specs_that_fit(DEFAULT_SPECS, model.cfg, left_out)
+    mem_specs = specs_that_fit(MEM_SPECS, model.cfg, left_out)
+    mode = fit_context(dict(MODES["quick" if quick else "full"]), model.cfg.max_seq_len)
     if reps:
         mode["reps"] = reps
     ids = Tokenizer.from_dir(weights).encode(text[:1_000_000])
@@ -401,7 +407,7 @@ def run(model: Transformer, weights: Path, text: str, text_name: str, quick: boo
     hf, hf_quant = _load_transformers(weights, weight) if transformers else (None, False)
     n_eng = len(specs) + (hf is not None) + hf_quant
     total = n_eng * (1 + len(mode["lengths"]) * mode["reps"]) + 2 * len(mode["batches"])
-    bar = tqdm(total=total + len(MEM_SPECS), desc="bench", unit="run")
+    bar = tqdm(total=total + len(mem_specs), desc="bench", unit="run")
 
     def tick(what: str) -> None:
         bar.set_postfix_str(what)
@@ -409,7 +415,7 @@ def run(model: Transformer, weights: Path, text: str, text_name: str, quick: boo
 
     res = {"command": command, "machine": machine_info(weight.device), "weights": str(weights),
            "text": text_name}
-    res.update(collect(model, hf, ids, mode, specs, batch_kv, hf_quant, tick))
+    res.update(collect(model, hf, ids, mode, specs, batch_kv, hf_quant, tick, mem_specs))
     bar.close()
     out = Path(out)
     res["charts"] = charts(res, out.parent)
@@ -418,6 +424,24 @@ def run(model: Transformer, weights: Path, text: str, text_name: str, quick: boo
     charts_made = "".join(f", {v}" for k, v in res["charts"].items() if k != "note")
     print(f"[tinykv] results in {out}{charts_made}")
     return res
+
+
+def fit_context(mode: dict, context: int) -> dict:
+    """The mode within a model's context: prompt lengths whose prompt and new tokens do not fit
+    it are left out (named on stderr), the batches' prompts and the perplexity window shortened
+    to fit; a model too short for any length is refused before the slow part."""
+    lengths = [n for n in mode["lengths"] if n + mode["new"] < context]
+    if not lengths:
+        raise ValueError(f"bench: the model's context of {context} tokens holds none of the "
+                         f"prompt lengths {mode['lengths']} with {mode['new']} new tokens")
+    if len(lengths) < len(mode["lengths"]):
+        dropped = [n for n in mode["lengths"] if n not in lengths]
+        print(f"[tinykv] prompt lengths {dropped} are left out: the model's context is "
+              f"{context} tokens", file=sys.stderr)
+    shortest, longest = mode["batch_lens"]
+    longest = min(longest, context - mode["batch_new"] - 1)
+    return {**mode, "lengths": lengths, "batch_lens": [min(shortest, longest), longest],
+            "window": min(mode["window"], context)}
 
 
 def needed_tokens(mode: dict) -> int:

@@ -29,6 +29,7 @@ from ..generate import Engine, Sampling
 from ..model import Linear, Transformer
 from ..packed import packed_arrays, packed_bytes
 from ..pools import KVPools
+from .common import specs_that_fit
 
 PARTS = ["linear", "cache.write", "cache.attend"]
 _RUNNING: set[str] = set()  # the keys `timing` is inside now
@@ -161,7 +162,7 @@ def run(model: Transformer, weights: Path, text: str, prompts: list[int], n_new:
     after the linear layers alone at each of `linear_rows`."""
     from ..tokenizer import Tokenizer
 
-    specs = specs or ["fp16", "int8", "int4"]
+    specs = specs or specs_that_fit(["fp16", "int8", "int4"], model.cfg)
     ids = Tokenizer.from_dir(weights).encode(text[:200_000])
     hf = None
     if transformers:

@@ -46,7 +46,7 @@ from .ceilings import (
     weight_bytes,
 )
 from .charts import roofline_charts
-from .common import machine_info, time_in_turn
+from .common import machine_info, specs_that_fit, time_in_turn
 from .e2e import DEFAULT_SPECS, HF_QUANT
 from .roofline_report import PARTS, chart_label, ratios, render
 
@@ -341,7 +341,7 @@ def run(model: Transformer, weights: Path | None, quick: bool = False,
     if steps:
         mode["steps"] = steps
     try:
-        res.update(collect(model, hf, mode, specs or list(DEFAULT_SPECS),
+        res.update(collect(model, hf, mode, specs or specs_that_fit(DEFAULT_SPECS, model.cfg),
                            threads or [1, 2], _progress, scales))
     finally:
         set_threads(before)

@@ -6,8 +6,9 @@ import json
 import shlex
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
-from ..spec import KVSpec, SpecError
+from ..bench.common import specs_that_fit
 from .commands import check_io, load_model, warn, window_of
 from .flags import given_flags
 from .inputs import UsageError, read_text
@@ -33,7 +34,7 @@ def cmd_bench(args) -> None:
         from ..bench import profile
 
         model, path = load_model(args)
-        specs = [str(s) for s in args.kv] if args.kv else None
+        specs = given_specs(args, model)
         profile.run(model, path, text, args.prompt, args.new, specs,
                     transformers=not args.no_transformers, linear_rows=tuple(args.linear_rows))
         return None
@@ -49,11 +50,19 @@ def cmd_bench(args) -> None:
     check_io(args, {f"the chart {name}": Path(args.out).parent / name for name in E2E_CHARTS})
     text = read_text(text_path, "bench")
     model, path = load_model(args)
-    specs = [str(s) for s in args.kv] if args.kv else None
+    specs = given_specs(args, model)
     command = " ".join(["python -m tinykv bench", *map(shlex.quote, sys.argv[2:])])
     e2e.run(model, path, text, text_path, quick=args.quick, specs=specs, reps=args.reps,
             transformers=not args.no_transformers, out=args.out, command=command)
     return None
+
+
+def given_specs(args, model) -> list[str] | None:
+    """The --kv specs as strings, each checked against the model (its layers, its head_dim)
+    before any slow work; None where none were given (the benchmark's defaults that fit)."""
+    for spec in args.kv or []:
+        spec.check(model.cfg.n_layers, model.cfg.head_dim)
+    return [str(s) for s in args.kv] if args.kv else None
 
 
 def cmd_bench_kernel(args) -> None:
@@ -94,20 +103,14 @@ def cmd_bench_cpu_kernel(args, given: set[str]) -> None:
     for spec in args.kv or []:
         spec.k.check(head_dim)
         spec.v.check(head_dim)
-    for name in [] if args.kv else attention.SPECS:  # the default specs, which were not given
-        default = KVSpec.parse(name)
-        try:
-            default.k.check(head_dim)
-            default.v.check(head_dim)
-        except SpecError as e:
-            raise UsageError(f"bench kernel --cpu --head-dim {head_dim}: the default spec "
-                             f"'{name}' cannot hold it ({e}); give --kv specs that can") from None
     out = Path(args.out if "out" in given else "bench/attention-cpu.json")
     derived = {"the chart": out.with_suffix(".png")}
     if "out" not in given:  # --out (checked as given) otherwise names the JSON
         derived["the JSON"] = out
     check_io(args, derived)
-    specs = [str(s) for s in args.kv] if args.kv else None
+    # the default specs that hold head_dim (KIVI-style's groups of 32 do not hold 80)
+    specs = [str(s) for s in args.kv] if args.kv else specs_that_fit(
+        attention.SPECS, SimpleNamespace(n_layers=1, head_dim=head_dim))
     attention.run(specs, threads=args.thread_counts, quick=args.quick, out=out,
                   parts=parts.where_time_goes if args.parts else None)
 
@@ -131,7 +134,7 @@ def cmd_bench_roofline(args) -> None:
     from ..scalefile import load_scales
     for spec in calibrated:  # a file that does not fit a spec is refused before the runs
         load_scales(args.kv_scales, model.cfg, spec)
-    specs = [str(s) for s in args.kv] if args.kv else None
+    specs = given_specs(args, model)
     command = " ".join(["python -m tinykv bench", *map(shlex.quote, sys.argv[2:])])
     roofline.run(model, path, quick=args.quick, threads=args.thread_counts, specs=specs,
                  transformers=not args.no_transformers, out=args.out, command=command,
