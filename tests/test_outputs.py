@@ -93,3 +93,45 @@ def test_made_folders_go_when_the_write_fails(tmp_path):
     assert (tmp_path / "a" / "b" / "out.json").read_text() == "{}"
     with pytest.raises(OutputError, match="does not exist"):
         write_text(tmp_path / "c" / "out.json", "{}")
+
+
+def test_an_output_the_user_did_not_name_replaces_only_a_file_tinykv_wrote(tmp_path):
+    """A chart beside --out, or a JSON the command names itself, that exists: replaced where
+    tinykv wrote it (its charts carry a PNG text mark, its results a machine record), refused
+    and left as it was otherwise; the same names given on the command line are the user's
+    choice and replaced."""
+    import json
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from tinykv.plots import save_figure
+
+    mine = tmp_path / "mine.png"
+    fig = plt.figure()
+    plt.plot([0, 1])
+    save_figure(fig, mine)
+    theirs = tmp_path / "theirs.png"
+    fig = plt.figure()
+    plt.plot([0, 1])
+    fig.savefig(theirs)  # matplotlib's own metadata, not tinykv's mark
+    plt.close(fig)
+    before = theirs.read_bytes()
+    check_outputs({}, derived={"the chart": mine})
+    with pytest.raises(OutputError, match="exists and is not one tinykv wrote"):
+        check_outputs({}, derived={"the chart": theirs})
+    assert theirs.read_bytes() == before
+    check_outputs({"--plot": theirs})  # named by the user: theirs to replace
+    results, notes = tmp_path / "results.json", tmp_path / "notes.json"
+    results.write_text(json.dumps({"machine": {"cpu": "x"}, "rows": []}))
+    notes.write_text(json.dumps({"todo": ["keep me"]}))
+    check_outputs({}, derived={"the JSON": results})
+    with pytest.raises(OutputError, match="the JSON"):
+        check_outputs({}, derived={"the JSON": notes})
+    not_png = tmp_path / "fake.png"
+    not_png.write_text("a text file named .png")
+    with pytest.raises(OutputError, match="fake.png"):
+        check_outputs({}, derived={"the chart": not_png})
+    check_outputs({}, derived={"the chart": tmp_path / "new.png"})  # nothing there yet

@@ -267,8 +267,8 @@ def calibrate_to_file(model: Transformer, tokens: list[int], spec: KVSpec, out: 
     channel plot when asked; returns the number of tokens observed."""
     check_request(spec, observer, vllm=bool(vllm_out))
     vllm_scheme = vllm_scheme_path(vllm_out) if vllm_out else None
-    check_outputs({"out": out, "vllm_out": vllm_out, "vllm_out scheme": vllm_scheme,
-                   "plot": plot})
+    check_outputs({"out": out, "vllm_out": vllm_out, "plot": plot},
+                  derived={"vllm_out scheme": vllm_scheme})
     if plot:
         check_figure_path("plot", plot)
     scales, k, v = calibrated(model, tokens, spec, observer, window, progress)

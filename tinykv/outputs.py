@@ -4,10 +4,12 @@ folder that is missing or not writable. Then `written(path)` gives a temporary n
 output (its suffix kept, so a format read from the name is the output's) and renames it over
 the output only once the block that writes it has finished: a failed or interrupted run leaves
 the old file as it was, and nothing of its own behind. Plain Python, no torch: the command line
-checks its outputs before it imports anything heavy."""
+checks its outputs before it imports anything heavy. An output the user did not name (a chart
+beside --out) replaces only a file tinykv wrote."""
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 import tempfile
@@ -17,6 +19,10 @@ from pathlib import Path
 
 # what the user calls a file (a flag, '--out chart') -> its path; None: not asked for
 Paths = Mapping[str, "str | Path | None"]
+# A PNG text entry every chart tinykv writes carries: a chart beside --out that lacks it is
+# someone else's file, never replaced.
+CHART_MARK = ("Source", "tinykv")
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 class OutputError(ValueError):
@@ -24,16 +30,21 @@ class OutputError(ValueError):
 
 
 def check_outputs(outputs: Paths, inputs: Paths | None = None,
-                  make_folders: bool = False) -> None:
+                  make_folders: bool = False, derived: Paths | None = None) -> None:
     """Refuse, naming it, an output that is not a file tinykv may replace (check_output), that is
     the same file as another output or as an input, or that would replace a file inside an input
-    folder (a model folder: a new file beside its own is fine). With make_folders, an output's
-    missing folders are made when it is written."""
+    folder (a model folder: a new file beside its own is fine). `derived` are outputs whose names
+    the user did not give (a chart beside --out): one that exists is replaced only where tinykv
+    wrote it (made_by_tinykv). With make_folders, an output's missing folders are made when it
+    is written."""
     finals: dict[Path, str] = {}
-    for name, path in outputs.items():
+    for name, path in {**outputs, **(derived or {})}.items():
         if path is None:
             continue
         final = check_output(name, path, make_folders)
+        if name in (derived or {}) and final.exists() and not made_by_tinykv(final):
+            raise OutputError(f"{name} {path} exists and is not one tinykv wrote: move it, or "
+                              "give --out another name")
         if final in finals:
             raise OutputError(f"{name} {path} is also {finals[final]}: one output would "
                               "overwrite the other")
@@ -41,6 +52,41 @@ def check_outputs(outputs: Paths, inputs: Paths | None = None,
         for in_name, in_path in (inputs or {}).items():
             if in_path is not None:
                 check_not_input(name, path, final, in_name, Path(in_path))
+
+
+def png_texts(path: Path) -> dict[str, str]:
+    """The tEXt entries of a PNG file (none where it is not one): those before its image data,
+    where matplotlib writes its metadata."""
+    with open(path, "rb") as f:
+        data = f.read(1 << 16)
+    if not data.startswith(PNG_SIGNATURE):
+        return {}
+    texts, at = {}, len(PNG_SIGNATURE)
+    while at + 8 <= len(data):
+        length, kind = int.from_bytes(data[at:at + 4], "big"), data[at + 4:at + 8]
+        if kind == b"IDAT":
+            break
+        if kind == b"tEXt":
+            key, _, value = data[at + 8:at + 8 + length].partition(b"\0")
+            texts[key.decode("latin-1")] = value.decode("latin-1")
+        at += 12 + length  # length, kind, data, CRC
+    return texts
+
+
+def made_by_tinykv(path: Path) -> bool:
+    """Whether an existing file is one tinykv wrote: a PNG chart carries CHART_MARK
+    (plots.save_figure); a JSON is a benchmark's results (its machine record) or a vLLM
+    kv_cache_scheme entry."""
+    if path.suffix.lower() == ".png":
+        key, value = CHART_MARK
+        return png_texts(path).get(key) == value
+    if path.suffix.lower() == ".json":
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return False
+        return isinstance(data, dict) and ("machine" in data or list(data) == ["kv_cache_scheme"])
+    return False
 
 
 def check_output(name: str, path: str | Path, make_folders: bool = False) -> Path:

@@ -7,7 +7,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
 
-from .outputs import written
+from .outputs import CHART_MARK, written
 
 if TYPE_CHECKING:
     import torch
@@ -44,9 +44,11 @@ def check_figure_path(name: str, path: str | Path) -> None:
 
 def save_figure(fig, path: str | Path, make_folders: bool = False, dpi: int = 100) -> None:
     """Write a figure to `path` whole (outputs.written) and close it."""
+    # PNGs carry tinykv's mark, so that a later run may replace them (outputs.made_by_tinykv)
+    marked = {"metadata": dict([CHART_MARK])} if Path(path).suffix.lower() == ".png" else {}
     try:
         with written(path, make_folders) as tmp:
-            fig.savefig(tmp, dpi=dpi)
+            fig.savefig(tmp, dpi=dpi, **marked)
     finally:
         pyplot().close(fig)
 
