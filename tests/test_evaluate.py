@@ -236,6 +236,18 @@ def test_cli_calibrate_bits(hf_dir, tmp_path, capsys):
     assert capsys.readouterr().out.split("\n")[:5] == printed.split("\n")[:5]
     assert main([*reuse, "--kv", "fp16,residual=32"]) == 1
     assert "measured with residual=16, sink=0" in capsys.readouterr().err
+    # the chart goes beside --out as d.png: a d.png of the user's is refused and kept, unless
+    # --plot names it
+    theirs = tmp_path / "d.png"
+    theirs.write_bytes(b"the user's picture")
+    beside = [*reuse[:reuse.index("--out")], *reuse[reuse.index("--out") + 2:], "--out",
+              str(tmp_path / "d.safetensors"), "--kv", "fp16,residual=16"]
+    assert main(beside) == 1
+    assert "is not one tinykv wrote" in capsys.readouterr().err
+    assert theirs.read_bytes() == b"the user's picture"
+    assert main([*beside, "--plot", str(theirs)]) == 0
+    assert theirs.read_bytes()[:4] == b"\x89PNG"
+    capsys.readouterr()
     # --bits' own flags without --bits would be ignored: refused before the model loads
     assert main(["calibrate", *common, "--kv", "int4:center", "--out", str(out),
                  "--probe-tokens", "128"]) == 1

@@ -38,11 +38,13 @@ def check_outputs(outputs: Paths, inputs: Paths | None = None,
     wrote it (made_by_tinykv). With make_folders, an output's missing folders are made when it
     is written."""
     finals: dict[Path, str] = {}
-    for name, path in {**outputs, **(derived or {})}.items():
+    everything = [(name, path, False) for name, path in outputs.items()]
+    everything += [(name, path, True) for name, path in (derived or {}).items()]
+    for name, path, is_derived in everything:
         if path is None:
             continue
         final = check_output(name, path, make_folders)
-        if name in (derived or {}) and final.exists() and not made_by_tinykv(final):
+        if is_derived and final.exists() and not made_by_tinykv(final):
             raise OutputError(f"{name} {path} exists and is not one tinykv wrote: move it, or "
                               "give --out another name")
         if final in finals:

@@ -316,7 +316,7 @@ def cmd_calibrate_bits(args) -> None:
         raise UsageError("--bits writes per-layer formats, which vLLM cannot serve: drop "
                          "--vllm-out")
     plot = args.plot or str(Path(args.out).with_suffix(".png"))
-    check_io(args, {"--plot": plot})
+    check_io(args, {} if args.plot else {"the chart beside --out": plot})
     model, path = load_model(args)
     window = window_of(args, model)
     tokens = tokens_of(args.text_body, path, args.offset, args.max_tokens)
