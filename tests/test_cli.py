@@ -274,6 +274,7 @@ PARSE_ERRORS = [
     ("device-blocks-neg", ["run.py", "w1", "--device-blocks", "-1"], "--device-blocks"),
     ("kv-memory-0", ["run.py", "w1", "--kv-memory", "0"], "--kv-memory"),
     ("kv-memory-junk", ["run.py", "w1", "--kv-memory", "lots"], "--kv-memory"),
+    ("kv-memory-inf", ["run.py", "w1", "--kv-memory", "1e400"], "not a finite number of bytes"),
     ("both-pool-sizes", ["run.py", "w1", "--kv-memory", "1M", "--device-blocks", "4"],
      "not allowed with"),
     ("temperature-nan", ["run.py", "w1", "--temperature", "nan"], "--temperature"),

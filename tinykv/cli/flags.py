@@ -152,7 +152,9 @@ def byte_size(s: str) -> int:
     except ValueError:
         raise argparse.ArgumentTypeError(f"bad byte size {s!r} (expected e.g. 512M or 2G)") \
             from None
-    if not math.isfinite(n) or n < 1:
+    if not math.isfinite(n):
+        raise argparse.ArgumentTypeError(f"byte size {s!r} is not a finite number of bytes")
+    if n < 1:
         raise argparse.ArgumentTypeError(f"byte size {s!r} must be at least 1 byte")
     return int(n)
 
