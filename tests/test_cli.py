@@ -791,22 +791,6 @@ def test_a_chart_beside_out_that_tinykv_did_not_write_is_left_alone(tmp_path: Pa
     assert not (work / "k.json").exists()
 
 
-def test_a_default_out_replaces_only_tinykv_results(tmp_path: Path) -> None:
-    """bench roofline without --out writes bench/roofline-new.json: a file of the user's under
-    that name is refused before any run and left as it was; a results file tinykv wrote there
-    passes the check (a bad flag then stops the run, after the outputs' check)."""
-    work, _ = prepare(tmp_path)
-    (work / "bench").mkdir()
-    theirs = work / "bench" / "roofline-new.json"
-    theirs.write_text('{"my": "notes"}')
-    r = run_cli(["bench", "roofline", "--quick"], work)
-    assert r.returncode == 1 and "is not one tinykv wrote" in r.stderr, r.stderr
-    assert theirs.read_text() == '{"my": "notes"}'
-    theirs.write_text('{"machine": {"cpu": "x"}}')
-    r = run_cli(["bench", "roofline", "--quick", "--kv-scales", "missing.safetensors"], work)
-    assert r.returncode != 0 and "tinykv wrote" not in r.stderr, r.stderr
-
-
 def test_bench_kernel_cpu_runs_the_default_specs_that_fit_a_head_dim(tmp_path: Path) -> None:
     """--head-dim 48 without --kv: KIVI-style (value groups of 32) is left out and named on
     stderr, the other default specs run."""

@@ -33,7 +33,7 @@ from .caches import (
     warn,
 )
 from .flags import DEFAULT_MAX_BATCH, DEFAULT_WINDOW
-from .inputs import INTERRUPTED, TERMINATED, Terminated, UsageError, by_whom, io_paths, read_text
+from .inputs import INTERRUPTED, TERMINATED, Terminated, UsageError, io_paths, read_text
 
 
 class CheckpointError(ValueError):
@@ -293,9 +293,7 @@ def check_io(args, derived: dict[str, str | Path]) -> None:
     """inputs.check_files' checks again, with the outputs a library function writes beside the
     ones named on the command line (known once it is imported)."""
     outputs, inputs = io_paths(args)
-    named, defaulted = by_whom(args, outputs)
-    check_outputs(named, inputs, make_folders=args.cmd == "bench",
-                  derived={**defaulted, **derived})
+    check_outputs(outputs, inputs, make_folders=args.cmd == "bench", derived=derived)
 
 
 def cmd_calibrate_bits(args) -> None:

@@ -67,21 +67,11 @@ def io_paths(args: argparse.Namespace) -> tuple[dict, dict]:
     return outputs, inputs
 
 
-def by_whom(args: argparse.Namespace, outputs: dict) -> tuple[dict, dict]:
-    """(named, defaulted): the outputs whose flags were given, and those a command writes to its
-    own default name (`bench`'s results JSON), which replace only a file tinykv wrote."""
-    given = {dest for _, dest, _ in given_flags(args)}
-    named = {flag: path for flag, path in outputs.items()
-             if flag.removeprefix("--").replace("-", "_") in given}
-    return named, {flag: path for flag, path in outputs.items() if flag not in named}
-
-
 def check_files(args: argparse.Namespace) -> None:
     """The run's inputs read, and its outputs may be written: none of them an input or another
     output (tinykv.outputs), a chart in a format matplotlib writes."""
     outputs, inputs = io_paths(args)
-    named, defaulted = by_whom(args, outputs)
-    check_outputs(named, inputs, make_folders=args.cmd == "bench", derived=defaulted)
+    check_outputs(outputs, inputs, make_folders=args.cmd == "bench")
     if outputs["--plot"]:
         from ..plots import check_figure_path
 
