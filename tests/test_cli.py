@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -593,6 +594,18 @@ def test_packed_weights_say_how_many_were_packed(files: dict[str, str], tmp_path
     assert packed.returncode == 0 and "Traceback" not in packed.stderr, packed.stderr
     assert "[tinykv] packed weights: 0 of" in packed.stderr
     assert json.loads(packed.stdout)["new_ids"] == json.loads(plain.stdout)["new_ids"]
+
+
+def test_an_answer_of_one_token_shows_no_decode_rate(files: dict[str, str],
+                                                    tmp_path: Path) -> None:
+    """One new token comes from the prefill, with no decode step: the line says so instead of
+    'decode 0.0 tok/s'; two tokens give a rate."""
+    work, _ = prepare(tmp_path)
+    args = ["run.py", "w1", "--weights", "{tiny}", "--temperature", "0", "--max-new-tokens"]
+    one = run_cli(fill([*args, "1"], files, work), work)
+    assert one.returncode == 0 and "decode - (no decode step" in one.stderr, one.stderr
+    two = run_cli(fill([*args, "2"], files, work), work)
+    assert two.returncode == 0 and re.search(r"decode \d+\.\d tok/s", two.stderr), two.stderr
 
 
 def test_prompt_file_is_one_prompt(files: dict[str, str], tmp_path: Path) -> None:

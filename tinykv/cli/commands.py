@@ -226,9 +226,12 @@ def report(args, eng: Engine, tok: Tokenizer, stats: dict, dec: StreamDecoder | 
         print(dec.flush())
     else:
         print_grouped(results, args.prompts, args.n)
-    print(f"[tinykv] prefill {stats['prefill_tokens_per_s']:.1f} tok/s, decode "
-          f"{stats['decode_tokens_per_s']:.1f} tok/s, kv {eng.cache.spec} "
-          f"{eng.cache.bytes_per_token:.0f} B/token, {blocks_line(stats)}", file=sys.stderr)
+    # no decode step where the prefill's token ended every answer: no rate to show, not 0 tok/s
+    decode = f"{stats['decode_tokens_per_s']:.1f} tok/s" if eng.stats.decode_tokens else \
+        "- (no decode step: the answer ended at its first token)"
+    print(f"[tinykv] prefill {stats['prefill_tokens_per_s']:.1f} tok/s, decode {decode}, "
+          f"kv {eng.cache.spec} {eng.cache.bytes_per_token:.0f} B/token, {blocks_line(stats)}",
+          file=sys.stderr)
 
 
 def prompt_of(r) -> int:
