@@ -608,6 +608,16 @@ def test_an_answer_of_one_token_shows_no_decode_rate(files: dict[str, str],
     assert two.returncode == 0 and re.search(r"decode \d+\.\d tok/s", two.stderr), two.stderr
 
 
+def test_passkey_on_a_base_model(files: dict[str, str], tmp_path: Path) -> None:
+    """eval --task passkey on a model with no chat template (the tiny one): the plain prompt,
+    a table and a count, not 'run without --chat' (a flag eval does not have)."""
+    work, _ = prepare(tmp_path)
+    r = run_cli(fill(["eval", "--task", "passkey", "--weights", "{tiny}", "--lengths", "96",
+                      "--depths", "1"], files, work), work)
+    assert r.returncode == 0, r.stderr
+    assert "found" in r.stderr and "depth" in r.stdout
+
+
 def test_prompt_file_is_one_prompt(files: dict[str, str], tmp_path: Path) -> None:
     work, _ = prepare(tmp_path)
     out = generate_json(["--prompt-file", "{lines_txt}"], files, work)

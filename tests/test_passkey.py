@@ -46,6 +46,21 @@ def test_prompt_shape(tok, chat):
     assert text.count("12345") == 2 and tok.decode(ids[start:end]).count("12345") == 2
 
 
+def test_prompt_takes_the_chat_template_only_where_the_model_has_one(tok):
+    """chat=None (the default): the instruct model's template; a base model (no template)
+    reads the plain frame instead of failing for want of one."""
+    import copy
+
+    ids, _ = pk.build_prompt(tok, pk.DEFAULT_FILLER, 600, 0.5, "12345")
+    assert "<|im_start|>assistant\n" in tok.decode(ids)
+    base = copy.copy(tok)
+    base.chat_template = None
+    ids, (start, end) = pk.build_prompt(base, pk.DEFAULT_FILLER, 600, 0.5, "12345")
+    text = base.decode(ids)
+    assert "<|im_start|>" not in text and text.endswith(pk.ANSWER)
+    assert base.decode(ids[start:end]).count("12345") == 2
+
+
 def test_user_text_and_mistakes(tok):
     sentences = pk.split_sentences("One two.  Three!\nFour? five")
     assert sentences == ["One two.", "Three!", "Four?", "five"]

@@ -3,11 +3,12 @@ stored under a spec, recall a five-digit key hidden at some depth of a long fill
 
 A prompt is an instruction, filler sentences with the needle ("The pass key is 68231. Remember it.
 68231 is the pass key.") at the sentence boundary nearest `depth` of the filler's tokens (0 = before
-the first sentence, 1 = after the last) and the question, in the model's chat template, with the
-answer begun ("The pass key is") so that a small model goes straight to the digits. Keys come from
-random.Random(seed), one per (length, depth, trial) in that order: a run is reproducible and every
-spec sees the same prompts. All prompts go through one continuous-batching Engine; the answer is a
-few greedy tokens, and a trial is found when the key's digits appear in it.
+the first sentence, 1 = after the last) and the question, in the model's chat template where it
+has one (plain text for a base model), with the answer begun ("The pass key is") so that a small
+model goes straight to the digits. Keys come from random.Random(seed), one per (length, depth,
+trial) in that order: a run is reproducible and every spec sees the same prompts. All prompts go
+through one continuous-batching Engine; the answer is a few greedy tokens, and a trial is found
+when the key's digits appear in it.
 """
 
 from __future__ import annotations
@@ -108,7 +109,7 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def build_prompt(tok: Tokenizer, filler: str, length: int, depth: float, key: str,
-                 chat: bool = True) -> tuple[list[int], tuple[int, int]]:
+                 chat: bool | None = None) -> tuple[list[int], tuple[int, int]]:
     """Prompt ids (at most `length` of them) with the needle at `depth`, and its span (start, end).
 
     The filler's sentences repeat as often as `length` needs. The text is tokenized whole, as a
@@ -141,11 +142,14 @@ def build_prompt(tok: Tokenizer, filler: str, length: int, depth: float, key: st
     return ids, _span(tok, ids, pre, needle)
 
 
-def _frame(tok: Tokenizer, chat: bool) -> tuple[str, str]:
+def _frame(tok: Tokenizer, chat: bool | None) -> tuple[str, str]:
     """The text before the filler (the instruction) and after it (the question, the answer
-    begun), in the chat template when `chat`."""
+    begun), in the chat template when `chat` (None: where the model has one; a base model
+    reads the plain text, as in the passkey test's first form)."""
     head = INTRO + "\n\n"
     tail = "\n\n" + QUESTION + " " + ANSWER
+    if chat is None:
+        chat = tok.chat_template is not None
     if chat:
         before, after = tok.apply_chat_template([{"role": "user", "content": _MARK}]).split(_MARK)
         head = before + head
@@ -179,7 +183,7 @@ def _span(tok: Tokenizer, ids: list[int], pre: str, needle: str) -> tuple[int, i
 def run_passkey(model: Transformer, tok: Tokenizer, spec: KVSpec | str, lengths: list[int],
                 depths: int | list[float] = 5, trials: int = 1, seed: int = 0,
                 text: str | None = None, scales: dict[str, torch.Tensor] | None = None,
-                max_batch: int = 8, max_new_tokens: int = 10, chat: bool = True,
+                max_batch: int = 8, max_new_tokens: int = 10, chat: bool | None = None,
                 cache_factory: Callable[..., PagedKVCache] = make_cache,
                 progress: bool = False) -> PasskeyResult:
     """Every (length, depth, trial) prompt through one Engine over a cache under `spec`.
@@ -216,7 +220,7 @@ def run_passkey(model: Transformer, tok: Tokenizer, spec: KVSpec | str, lengths:
 
 
 def _trials(tok: Tokenizer, filler: str, lengths: list[int], grid: list[float], trials: int,
-            seed: int, chat: bool) -> tuple[list[Trial], list[list[int]]]:
+            seed: int, chat: bool | None) -> tuple[list[Trial], list[list[int]]]:
     """The trials, answers pending, and their prompts: keys drawn per (length, depth, trial)."""
     keys = iter(draw_keys(seed, len(lengths) * len(grid) * trials))
     records, prompts = [], []
