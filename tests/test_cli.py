@@ -780,6 +780,10 @@ def test_bench_cpu_kernel_prints_its_ceilings_and_fixed_costs(tmp_path: Path) ->
     results = json.loads((work / "k.json").read_text())
     assert {(row["batch"], row["context"]) for row in results["rows"]} == {(1, 256), (2, 128)}
     assert all(row["touch_ms"] > 0 and row["ms"] > 0 for row in results["rows"])
+    # the ceiling is the faster of the touch's two reads, both kept
+    assert all(row["touch_ms"] == min(row["touch_plain_ms"], row["touch_ahead_ms"])
+               for row in results["rows"])
+    assert "Touch: the faster of plain loads" in r.stdout
     fixed = results["fixed_us"]["int8"]
     assert all(fixed[k] > 0 for k in ("attend_us", "dispatch_us", "store_us", "attend_cold_us",
                                       "store_cold_us", "direct_attend_us", "direct_store_us",

@@ -256,6 +256,30 @@ def test_kernel_bench_pools_of_one_block():
     assert got["int4", 1]["attend_s"] > 0 and got["int4", 1]["touch_s"] > 0
 
 
+def test_touch_reads_every_word_of_the_visible_blocks_with_or_without_requests():
+    """The touch's two reads (plain, and each block requested ahead) fold the same words: those
+    of every block a row's context reaches, K, V and scales, and no other block's."""
+    import numpy as np
+
+    from tinykv.bench import attention
+    from tinykv.spec import KVSpec
+
+    layer = attention.pseudo_layers(KVSpec.parse("int4"), 2, 80, budget=1)[0]  # 5 blocks a row
+    lens = np.array([80, 33])  # row 1 reaches 3 of its 5 blocks
+    table = layer.table.numpy()
+    want = np.uint64(0)
+    for row, n_blocks in ((0, 5), (1, 3)):
+        for blk in table[row, :n_blocks]:
+            for words in layer.words:
+                if words.shape[1]:
+                    want ^= np.bitwise_xor.reduce(words[blk])
+    for ahead in (0, 1, 4, 9):
+        got = attention._touch(table, lens, 16, ahead, *layer.words)
+        assert got == want, ahead
+    skipped = table[1, 3]  # a block past row 1's context: folding it in changes the answer
+    assert np.bitwise_xor.reduce(layer.words[0][skipped]) != 0
+
+
 def test_overlap_probe_reports_each_rate_beside_the_larger_alone():
     """bench/overlap.py: the work alone, and per rate of reads the reads alone and both, with
     both over the larger of the two; printed under the attention table."""
