@@ -58,12 +58,13 @@ def test_linear_cpu_within_the_float32_bound(dtype, rows, threads):
 @pytest.mark.parametrize("rows", [1, gemv.SLICED_MAX_ROWS, gemv.SLICED_MAX_ROWS + 1, 9, 16,
                                   gemv.TILE_MAX_ROWS + 1])
 @pytest.mark.parametrize("n", [1, 7, 8, 9, 17, 131])
-@pytest.mark.parametrize("k", [40, 64])
+@pytest.mark.parametrize("k", [40, 64, 1040])
 def test_every_output_row_in_every_loop(dtype, rows, n, k, threads):
     """Each loop's blocks write every output row once, at any row count: the sliced loop's 8
     slices of ceil(n / 8) rows leave the last ones short or empty (n = 9: slices of 2, the fifth
     holds row 8 alone, the last three none), the tiles' and the eight-row loop's last block is
-    short; 9 and 16 rows take the tiles of 8 by 2 (gemv_tiles), whose two groups overlap at 9.
+    short; 9 and 16 rows take the tiles of 8 by 2 (gemv_tiles), whose two groups overlap at 9,
+    where the rows fit in L1 (k = 40, 64), else the tiles of 4 by 4 (k = 1040: 65 KiB at 16 rows).
     k = 64 channels, a multiple of 16, has no tail channels: full tiles write their sums
     straight out (gemv_tiles), short ones take the general path."""
     gen = torch.Generator().manual_seed(n * 100 + rows + k)
@@ -73,6 +74,18 @@ def test_every_output_row_in_every_loop(dtype, rows, n, k, threads):
     exact = x.double() @ w.double().T
     err = (y.double() - exact).abs()
     assert bool((err <= bound(x, w, dtype)).all()), float(err.max())
+
+
+def test_tiles_of_8_by_2_only_while_the_activation_rows_fit_in_l1():
+    """9 to 16 activation rows go in tiles of 8 by 2 only while all of them fit in a core's L1
+    data cache (each pair of weight rows goes through them all): 16 rows of 576 float32 channels
+    (36 KiB) on a 48 KiB L1, not on a 32 KiB one, where 14 (31.5 KiB) still do."""
+    from tinykv.gemv_tiles import l1_data_bytes, tile_rows
+
+    assert tile_rows(16, 576, 48 * 1024) == 2 and tile_rows(16, 576, 32 * 1024) == 4
+    assert tile_rows(14, 576, 32 * 1024) == 2 and tile_rows(15, 576, 32 * 1024) == 4
+    assert tile_rows(8, 64, 48 * 1024) == 4 and tile_rows(17, 64, 48 * 1024) == 4
+    assert 16 * 1024 <= l1_data_bytes() <= 1024 * 1024 and gemv.L1_DATA_BYTES == l1_data_bytes()
 
 
 @pytest.mark.parametrize("swiglu", [False, True], ids=["plain", "swiglu"])

@@ -10,12 +10,13 @@ by the weights' bytes instead of by loads. The weight rows of the next group are
 L2 while these are multiplied, so their reads overlap this group's arithmetic instead of
 following it; into L2, not L1, where they would push out the activation rows every group reuses.
 
-From 9 to 16 activation rows with short rows (PAIR_MAX_CHANNELS), tiles are 8 activation rows
-by 2 weight rows instead (_pair_sums): the same 16 accumulators, but a weight row's lines come
-from memory during one of two passes over the activations instead of one of four, so its reads
-are spread over half the arithmetic instead of a quarter. That pays while the 8 activation rows
-and the 2 weight rows stay in L1; with longer rows the 4 x 4 tiles are faster (the README's speed
-section has both).
+From 9 to 16 activation rows, where all of them fit in one core's L1 data cache (`tile_rows`),
+tiles are 8 activation rows by 2 weight rows instead (_pair_sums): the same 16 accumulators, but
+a weight row's lines come from memory during one of two passes over the activations instead of
+one of four, so its reads are spread over half the arithmetic instead of a quarter. Every pair
+of weight rows goes through all the activation rows, so that pays only while they stay in L1;
+past it each pair reads them again from L2, and the 4 x 4 tiles, which do so half as often, are
+faster (the README's Zen 4 section: 14 rows of 576 channels fit its 32 KiB, 15 do not).
 
 Tails: a group past the last activation or output row repeats that row (its sums are computed and
 dropped, reads stay inside the arrays); channels past the last multiple of 16 are added one by
@@ -24,6 +25,8 @@ ones with AVX2).
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 
@@ -34,8 +37,6 @@ from .kernels.cpu_simd_ops import fma, pair
 GROUP = 4  # activation rows, and output rows, per tile
 EIGHT_ROWS = 8  # weight rows per pass of _eight_rows (gemv.ROWS: a block of the GEMV)
 PAIR_ROWS = 8  # activation rows per tile of two weight rows
-# 8 activation rows and 2 weight rows of this many float32 channels fill half of a 48 KiB L1
-PAIR_MAX_CHANNELS = 24 * 1024 // (4 * (PAIR_ROWS + 2))
 LANES = 16  # channels per step: one 64-byte line of float32
 _FASTMATH = {"reassoc", "contract", "arcp", "nsz"}
 
@@ -193,9 +194,26 @@ def _pairs_block(x, w, y, first, count):
                     y[row, o + j] = total
 
 
-def tile_rows(n_rows, k):
-    """Weight rows per tile for n_rows activation rows of k channels (_tiles_block's choice)."""
-    return 2 if PAIR_ROWS < n_rows <= 2 * PAIR_ROWS and k <= PAIR_MAX_CHANNELS else GROUP
+def l1_data_bytes() -> int:
+    """One core's L1 data cache in bytes, from sysfs; 32 KiB where it cannot be read, the smaller
+    of this project's machines' (AMD Zen 4: 32 KiB; Intel Sapphire Rapids, AMD Zen 5: 48)."""
+    for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+        try:
+            level, kind, size = ((index / name).read_text().strip()
+                                 for name in ("level", "type", "size"))
+        except OSError:
+            continue
+        digits, unit = size.rstrip("KMG"), size[len(size.rstrip("KMG")):]
+        if level == "1" and kind in ("Data", "Unified") and digits.isdigit():
+            return int(digits) * {"": 1, "K": 2**10, "M": 2**20}.get(unit, 1)
+    return 32 * 2**10
+
+
+def tile_rows(n_rows, k, l1_bytes):
+    """Weight rows per tile for n_rows activation rows of k float32 channels, on a core whose L1
+    data cache holds l1_bytes (_tiles_block's choice): 2 while the rows fit in it, else 4."""
+    fits = n_rows * k * 4 <= l1_bytes
+    return 2 if PAIR_ROWS < n_rows <= 2 * PAIR_ROWS and fits else GROUP
 
 
 def _starts(first, last, k):
@@ -204,11 +222,13 @@ def _starts(first, last, k):
             min(first + 3, last) * k)
 
 
-def _tiles_block(x, w, y, first, count):
+def _tiles_block(x, w, y, first, count, l1_bytes):
     """Output rows first .. first+count-1 of y (B, N) = x (B, K) @ w (N, K)^T, in tiles of 4 by
-    4; the 4 weight rows after each group are prefetched while it is multiplied."""
+    4, or 8 by 2 where tile_rows says (l1_bytes: a core's L1 data cache; an argument, so that
+    numba's disk cache of this function holds no machine's size); the 4 weight rows after each
+    group are prefetched while it is multiplied."""
     n_rows, n_out, k = x.shape[0], w.shape[0], x.shape[1]
-    if tile_rows(n_rows, k) == 2:
+    if tile_rows(n_rows, k, l1_bytes) == 2:
         _pairs_block(x, w, y, first, count)
         return
     steps = k // LANES
