@@ -261,10 +261,10 @@ def test_touch_reads_every_word_of_the_visible_blocks_with_or_without_requests()
     of every block a row's context reaches, K, V and scales, and no other block's."""
     import numpy as np
 
-    from tinykv.bench import attention
+    from tinykv.bench import touch
     from tinykv.spec import KVSpec
 
-    layer = attention.pseudo_layers(KVSpec.parse("int4"), 2, 80, budget=1)[0]  # 5 blocks a row
+    layer = touch.pseudo_layers(KVSpec.parse("int4"), 2, 80, budget=1)[0]  # 5 blocks a row
     lens = np.array([80, 33])  # row 1 reaches 3 of its 5 blocks
     table = layer.table.numpy()
     want = np.uint64(0)
@@ -274,7 +274,7 @@ def test_touch_reads_every_word_of_the_visible_blocks_with_or_without_requests()
                 if words.shape[1]:
                     want ^= np.bitwise_xor.reduce(words[blk])
     for ahead in (0, 1, 4, 9):
-        got = attention._touch(table, lens, 16, ahead, *layer.words)
+        got = touch._touch(table, lens, 16, ahead, *layer.words)
         assert got == want, ahead
     skipped = table[1, 3]  # a block past row 1's context: folding it in changes the answer
     assert np.bitwise_xor.reduce(layer.words[0][skipped]) != 0

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 from . import packed
 from .gemv_packed import UNIT, panels_product
-from .gemv_tiles import EIGHT_ROWS, _eight_rows, l1_data_bytes, tiles_block
+from .gemv_tiles import EIGHT_ROWS, L1_DATA_BYTES, _eight_rows, tiles_block
 from .kernels.cpu_numerics import exp, kernel, use_threads
 from .kernels.cpu_simd import HAS_F16C, WIDE_VECTORS
 from .kernels.layout import CACHE_LINE, empty_rows
@@ -91,8 +91,6 @@ SLICED_MAX_ROWS = 4 if WIDE_VECTORS else 8
 TILE_MAX_ROWS = TILE_BATCH if WIDE_VECTORS else 8
 # Weight dtype -> the numpy type the kernel receives it as. The element type tells the kernel the
 # format (gemv_tiles._widen): half weights travel as bits, bf16 as int16 and fp16 as uint16.
-# One core's L1 data cache: the float32 tiles' shape at 9 to 16 rows (gemv_tiles.tile_rows)
-L1_DATA_BYTES = l1_data_bytes()
 _AS_NUMPY = {torch.float32: np.float32, torch.bfloat16: np.int16, torch.float16: np.uint16}
 
 
@@ -120,7 +118,7 @@ def _gemv_block(x, w, y, block):
 # the GEMV's loop files too (and kernels/cpu_simd*.py, which kernel()'s key covers): all hashed
 _SOURCES = hashlib.sha256(b"".join((Path(__file__).parent / name).read_bytes()
                                    for name in ("gemv.py", "gemv_tiles.py", "gemv_packed.py")))
-_SOURCES = _SOURCES.hexdigest()
+_SOURCES = f"{_SOURCES.hexdigest()} L1d {L1_DATA_BYTES}"  # compiled in as a constant
 
 
 def serial_and_parallel(fn: Callable, variant: tuple) -> tuple:
@@ -246,9 +244,7 @@ if AVAILABLE:
             _block(x, w, y, block)
         _epilogue(y, bias, residual, swiglu, out)
 
-    # L1_DATA_BYTES is compiled in as a constant: the disk cache keys on it as well
-    _linear_serial, _linear_parallel = serial_and_parallel(_linear,
-                                                           ("gemv", _SOURCES, L1_DATA_BYTES))
+    _linear_serial, _linear_parallel = serial_and_parallel(_linear, ("gemv", _SOURCES))
 
 
 _NONE_1D = np.empty(0, np.float32)  # an absent bias or norm weight, for the kernels

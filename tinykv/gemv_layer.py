@@ -37,7 +37,7 @@ from .kernels.layout import empty_rows
 _SOURCES = hashlib.sha256(b"".join((Path(__file__).parent / name).read_bytes()
                                    for name in ("gemv_layer.py", "gemv.py", "gemv_tiles.py",
                                                 "gemv_packed.py")))
-_SOURCES = _SOURCES.hexdigest()
+_SOURCES = f"{_SOURCES.hexdigest()} L1d {gemv.L1_DATA_BYTES}"  # as gemv._SOURCES
 
 if AVAILABLE:
     @njit(cache=True)  # no fastmath: the reference's roundings, x * cos + rotated * sin

@@ -209,6 +209,9 @@ def l1_data_bytes() -> int:
     return 32 * 2**10
 
 
+L1_DATA_BYTES = l1_data_bytes()  # this machine's: gemv.py passes it to the tiles
+
+
 def tile_rows(n_rows, k, l1_bytes):
     """Weight rows per tile for n_rows activation rows of k float32 channels, on a core whose L1
     data cache holds l1_bytes (_tiles_block's choice): 2 while the rows fit in it, else 4."""
