@@ -26,13 +26,12 @@ ones with AVX2).
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 
 from .kernels.cpu_numerics import AVAILABLE, intrinsic, ir, njit, prefetch_l2, types
 from .kernels.cpu_simd import _pieces, load, splat
 from .kernels.cpu_simd_ops import fma, pair
+from .kernels.layout import cpu_caches
 
 GROUP = 4  # activation rows, and output rows, per tile
 EIGHT_ROWS = 8  # weight rows per pass of _eight_rows (gemv.ROWS: a block of the GEMV)
@@ -197,16 +196,8 @@ def _pairs_block(x, w, y, first, count):
 def l1_data_bytes() -> int:
     """One core's L1 data cache in bytes, from sysfs; 32 KiB where it cannot be read, the smaller
     of this project's machines' (AMD Zen 4: 32 KiB; Intel Sapphire Rapids, AMD Zen 5: 48)."""
-    for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
-        try:
-            level, kind, size = ((index / name).read_text().strip()
-                                 for name in ("level", "type", "size"))
-        except OSError:
-            continue
-        digits, unit = size.rstrip("KMG"), size[len(size.rstrip("KMG")):]
-        if level == "1" and kind in ("Data", "Unified") and digits.isdigit():
-            return int(digits) * {"": 1, "K": 2**10, "M": 2**20}.get(unit, 1)
-    return 32 * 2**10
+    return next((size for level, kind, size in cpu_caches()
+                 if level == 1 and kind in ("Data", "Unified")), 32 * 2**10)
 
 
 L1_DATA_BYTES = l1_data_bytes()  # this machine's: gemv.py passes it to the tiles

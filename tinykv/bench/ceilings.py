@@ -9,13 +9,13 @@ import importlib.util
 import time
 from collections.abc import Callable
 from functools import partial
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from .. import gemv
 from ..kernels.cpu_numerics import njit
+from ..kernels.layout import cpu_caches
 from ..model import Transformer
 from ..packed import packed_arrays, packed_bytes
 
@@ -58,12 +58,7 @@ def clock_ghz(n: int = 50_000_000) -> float:
 
 def last_level_cache() -> int:
     """Bytes of the largest CPU cache (sysfs), 64 MiB where it cannot be read."""
-    sizes = []
-    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
-        text = f.read_text().strip().upper()
-        mult = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
-        sizes.append(int(text.rstrip("KMG")) * mult)
-    return max(sizes, default=64 * 2**20)
+    return max((size for _, _, size in cpu_caches()), default=64 * 2**20)
 
 
 def measure_bandwidth(mib: int, reps: int) -> dict:

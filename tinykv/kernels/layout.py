@@ -14,6 +14,7 @@ import ctypes
 import math
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -21,6 +22,23 @@ import torch
 from ..spec import QuantParams
 
 CACHE_LINE = 64  # bytes
+_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}  # sysfs cache sizes: "32K", "1024K"
+
+
+def cpu_caches() -> list[tuple[int, str, int]]:
+    """(level, type, bytes) of each cache of CPU 0 that Linux's sysfs describes ("Data",
+    "Instruction" or "Unified"); none where it describes none."""
+    caches = []
+    for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+        try:
+            level, kind, size = ((index / name).read_text().strip()
+                                 for name in ("level", "type", "size"))
+        except OSError:
+            continue
+        digits = size.rstrip("KMG")
+        if level.isdigit() and digits.isdigit() and size[len(digits):] in _UNITS:
+            caches.append((int(level), kind, int(digits) * _UNITS[size[len(digits):]]))
+    return caches
 
 
 def empty_rows(shape: tuple[int, ...], dtype=np.float32) -> np.ndarray:
