@@ -31,8 +31,8 @@ def bound(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> torch.Ten
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 # Each loop has its rows here: sliced up to SLICED_MAX_ROWS (and half weights up to SMALL_BATCH),
-# the float32 tiles from there to TILE_MAX_ROWS (with AVX-512; none with AVX2), the eight-row loop
-# beyond, torch past TILE_BATCH
+# the float32 tiles from there (to TILE_MAX_ROWS with AVX-512, then the eight-row loop; the narrow
+# tiles at any number with AVX2), torch past TILE_BATCH
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, gemv.SMALL_BATCH, gemv.SMALL_BATCH + 3, 13,
                                   gemv.TILE_BATCH // 2 + 1, gemv.TILE_BATCH, gemv.TILE_BATCH + 1])
 def test_linear_cpu_within_the_float32_bound(dtype, rows, threads):
@@ -63,8 +63,9 @@ def test_every_output_row_in_every_loop(dtype, rows, n, k, threads):
     """Each loop's blocks write every output row once, at any row count: the sliced loop's 8
     slices of ceil(n / 8) rows leave the last ones short or empty (n = 9: slices of 2, the fifth
     holds row 8 alone, the last three none), the tiles' and the eight-row loop's last block is
-    short; 9 and 16 rows take the tiles of 8 by 2 (gemv_tiles), whose two groups overlap at 9,
-    where the rows fit in L1 (k = 40, 64), else the tiles of 4 by 4 (k = 1040: 65 KiB at 16 rows).
+    short; with AVX-512, 9 and 16 rows take the tiles of 8 by 2 (gemv_tiles), whose two groups
+    overlap at 9, where the rows fit in L1 (k = 40, 64), else the tiles of 4 by 4 (k = 1040: 65
+    KiB at 16 rows); with AVX2, every row count from SLICED_MAX_ROWS + 1 the narrow tiles.
     k = 64 channels, a multiple of 16, has no tail channels: full tiles write their sums
     straight out (gemv_tiles), short ones take the general path."""
     gen = torch.Generator().manual_seed(n * 100 + rows + k)
@@ -86,6 +87,43 @@ def test_tiles_of_8_by_2_only_while_the_activation_rows_fit_in_l1():
     assert tile_rows(14, 576, 32 * 1024) == 2 and tile_rows(15, 576, 32 * 1024) == 4
     assert tile_rows(8, 64, 48 * 1024) == 4 and tile_rows(17, 64, 48 * 1024) == 4
     assert 16 * 1024 <= l1_data_bytes() <= 1024 * 1024 and gemv.L1_DATA_BYTES == l1_data_bytes()
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9, 16, 17, 64])
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 23, 25, 49])
+@pytest.mark.parametrize("k", [5, 8, 40, 1043])
+def test_narrow_tiles_write_every_output_row(rows, n, k):
+    """gemv_narrow's tiles of 4 activation rows by 3 weight rows, called as the GEMV calls them
+    on AVX2 (blocks of NARROW_ROWS output rows; here on any CPU, the 8-lane accumulators compile
+    for either): every output within the float32 bound, where the last group of activation rows
+    and the last tile of weight rows are short (repeated rows, sums dropped), where a block ends
+    inside a tile (n = 25, 49), and with tail channels past the last multiple of 8 (k = 5, 1043;
+    k = 5 has no whole step at all)."""
+    from tinykv.gemv_narrow import NARROW_ROWS, narrow_block
+
+    gen = torch.Generator().manual_seed(n * 1000 + rows * 10 + k)
+    w = torch.randn(n, k, generator=gen)
+    x = torch.randn(rows, k, generator=gen)
+    y = torch.full((rows, n), float("nan"))  # every output written, or NaN stays
+    for block in range(-(-n // NARROW_ROWS)):
+        narrow_block(x.numpy(), w.numpy(), y.numpy(), block * NARROW_ROWS, NARROW_ROWS)
+    err = (y.double() - x.double() @ w.double().T).abs()
+    assert bool((err <= bound(x, w, torch.float32)).all()), float(err.max())
+
+
+def test_narrow_tiles_leave_the_other_blocks_alone():
+    """A block writes its own output rows only: a tile past the block's end repeats its last row
+    and drops those sums, so threads that share a matrix never write each other's rows."""
+    from tinykv.gemv_narrow import narrow_block
+
+    gen = torch.Generator().manual_seed(7)
+    w, x = torch.randn(30, 64, generator=gen), torch.randn(6, 64, generator=gen)
+    y = torch.zeros(6, 30)
+    narrow_block(x.numpy(), w.numpy(), y.numpy(), 8, 7)  # rows 8 .. 14: tiles 8-10, 11-13, 14
+    exact = x.double() @ w.double().T
+    assert bool((y[:, :8] == 0).all()) and bool((y[:, 15:] == 0).all())
+    assert bool(((y[:, 8:15].double() - exact[:, 8:15]).abs()
+                 <= bound(x, w[8:15], torch.float32)).all())
 
 
 @pytest.mark.parametrize("swiglu", [False, True], ids=["plain", "swiglu"])

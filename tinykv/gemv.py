@@ -2,17 +2,14 @@
 the RMSNorm those layers read their rows from, in one pass.
 
 A decode step multiplies one activation row per sequence by every weight matrix of the model, so
-its linear layers are matrix-vector products bound by the bytes of W, not by arithmetic. Torch's
-`F.linear` takes the general matmul path for them and reads the weights well below the machine's
-bandwidth. The kernel here walks W in blocks of `ROWS` output rows (the unit threads split) and
-reads each block from memory once. How it reads a block depends on the batch. For a few
-activation rows, and for half weights, sliced: a block's 8 rows come from 8 slices of W, so 8
-sequential streams are read at once, and each row is multiplied by every activation row while it
-sits in L1. Float32 weights at more rows, up to `TILE_BATCH`, go 4 rows by 4 activation rows at
-a time in vector registers (gemv_tiles.py; 2 by 8 from 9 to 16 activation rows of short rows);
-beyond, 8 contiguous rows in parallel, each activation row multiplied by the block in L1. Half
-weights widen element by element (`SMALL_BATCH`). Prefill chunks and large batches, where a
-matmul is bound by arithmetic, stay with torch.
+its linear layers are matrix-vector products bound by the bytes of W, not by arithmetic; torch's
+`F.linear` reads the weights well below the machine's bandwidth there. The kernel here walks W in
+blocks of output rows (the unit threads split), each read from memory once, in the loop that
+suits the batch: for a few activation rows, and for half weights, sliced (a block's 8 rows from
+8 slices of W: 8 sequential streams at once); float32 weights at more rows, up to `TILE_BATCH`,
+in tiles of vector registers (gemv_tiles.py: 4 weight rows by 4 activation rows, or 2 by 8,
+where vectors are 512 bits; gemv_narrow.py: 3 by 4 where they are 256); beyond, 8 contiguous rows
+at once. Prefill chunks and large batches, bound by arithmetic, stay with torch.
 
 `gemv_layer.select_kernels(device, ...)` chooses once, when the model is loaded (model.py calls
 it), like the attention kernels: `linear_cpu` where numba is installed and the weights are on the
@@ -39,6 +36,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import packed
+from .gemv_narrow import NARROW_ROWS, narrow_block
 from .gemv_packed import UNIT, panels_product
 from .gemv_tiles import EIGHT_ROWS, L1_DATA_BYTES, _eight_rows, tiles_block
 from .kernels.cpu_numerics import exp, kernel, use_threads
@@ -67,33 +65,24 @@ except ImportError:  # no numba: every product goes to torch
     def njit(*_a, **_kw):
         return intrinsic
 
-# output rows per block: per pass over x, 8 weight streams and 8 vector accumulators in the
-# eight-row loop (4: slower, bench profile's linear alone)
-ROWS = EIGHT_ROWS
+ROWS = EIGHT_ROWS  # output rows a block: 8 weight streams, 8 accumulators (4: slower)
 SMALL_BATCH = 8  # activation rows up to which the GEMV beats torch's matmul (bench profile)
-TILE_BATCH = 64  # the same for float32 weights, read in tiles (gemv_tiles.py)
-# Up to this many activation rows (and for half weights, always) the sliced loop (_sliced): the
-# eight-row loop's arithmetic on 8 rows from 8 slices of W, 8 sequential streams far apart, where
-# the earlier loop here read one row's stream (its rows requested 2 to 32 ahead, into any cache
-# level: 9.4-10.4 GB/s on rows of 576 floats; 4 streams a quarter of W apart 17.9). Over the 121
-# matrices on a Sapphire Rapids, one thread, outputs preallocated, the two loops timed in turn:
-# float32 at 1 row 0.71x that loop's time, bf16 0.74x at 1 row to 0.84x at 8, fp16 0.76x to 0.88x
-# at 4. Against the float32 tiles with AVX-512, the weights on huge pages: 0.95-0.97x at 4 rows,
-# 1.07x at 5, 1.28x at 8; with AVX2 code (NUMBA_CPU_NAME=haswell, same machine, before huge
-# pages) 0.65x at 2 rows to 0.86x at 8, so there the tiles are not used.
-SLICED_MAX_ROWS = 4 if WIDE_VECTORS else 8
-# More rows than this: the eight-row loop. With 256-bit vectors (AVX2) a tile's 16 accumulators
-# are 32 registers' worth in 16: per step of 16 channels its hot loop does 32 multiply-adds and
-# stores 18 vectors to the stack and reloads 22 (with AVX-512: 16, 9.5 and 11.5; read from the
-# assembly), so there they are slower than the eight-row loop from 12 rows (measured over the
-# model's matrices on a Zen 3: 16 rows 165 ms against 130, 64 rows 624 against 383) and than the
-# sliced loop at 2 to 8 (above).
-TILE_MAX_ROWS = TILE_BATCH if WIDE_VECTORS else 8
+TILE_BATCH = 64  # the same for float32 weights, read in tiles (gemv_tiles, gemv_narrow)
+# With 256-bit vectors (AVX2) gemv_tiles' tiles spill (16 accumulators of two registers each, in
+# 16 registers), so from this many rows float32 weights go in gemv_narrow's tiles of 4 by 3
+# instead, in blocks of NARROW_ROWS output rows (`narrow`). Over the model's 210 layer matrices on
+# a Zen 3, one thread, against the loops before them (sliced to 8 rows, eight-row beyond), in
+# turn: 0.95-1.04x the time at 4 rows, 0.83-0.88x at 5, 0.62x at 8, 0.66x at 16, 0.65x at 64.
+NARROW_MIN_ROWS = 4
+# Up to this many activation rows (and for half weights, always) the sliced loop (_sliced): over
+# the 121 matrices on a Sapphire Rapids, one thread, in turn with a loop that read one row's
+# stream: float32 at 1 row 0.71x its time, bf16 0.74-0.84x at 1-8 rows, fp16 0.76-0.88x at 1-4;
+# against the float32 tiles with AVX-512: 0.95-0.97x at 4 rows, 1.07x at 5, 1.28x at 8.
+SLICED_MAX_ROWS = 4 if WIDE_VECTORS else NARROW_MIN_ROWS - 1
+TILE_MAX_ROWS = TILE_BATCH  # with AVX-512, more rows than this: the eight-row loop
 # Weight dtype -> the numpy type the kernel receives it as. The element type tells the kernel the
 # format (gemv_tiles._widen): half weights travel as bits, bf16 as int16 and fp16 as uint16.
 _AS_NUMPY = {torch.float32: np.float32, torch.bfloat16: np.int16, torch.float16: np.uint16}
-
-
 _FASTMATH = {"reassoc", "contract", "arcp", "nsz"}  # sums may be reordered; nans still propagate
 
 
@@ -101,10 +90,8 @@ _FASTMATH = {"reassoc", "contract", "arcp", "nsz"}  # sums may be reordered; nan
 @njit(inline="always", cache=True)
 def _sliced(x, w, y, block):
     """_gemv_block's contract for a block of rows far apart: row `block` of each of ROWS slices
-    of ceil(N / ROWS) rows, so a pass over the block's rows reads ROWS sequential streams at once,
-    each in its own part of memory. A core's hardware prefetchers track streams by 4 KiB page,
-    so streams in 8 pages at once likely keep more reads in flight than one (not counted here:
-    no performance counters in the VM it was measured on; SLICED_MAX_ROWS: what it gains)."""
+    of ceil(N / ROWS) rows, so a pass over the block's rows reads ROWS sequential streams at once
+    (hardware prefetchers track a stream per 4 KiB page; SLICED_MAX_ROWS: what it gains)."""
     _eight_rows(x, w, y, np.int64(block), -(-w.shape[0] // ROWS))
 
 
@@ -117,7 +104,8 @@ def _gemv_block(x, w, y, block):
 # numba's disk cache watches only the file that defines a function: the linear kernels inline
 # the GEMV's loop files too (and kernels/cpu_simd*.py, which kernel()'s key covers): all hashed
 _SOURCES = hashlib.sha256(b"".join((Path(__file__).parent / name).read_bytes()
-                                   for name in ("gemv.py", "gemv_tiles.py", "gemv_packed.py")))
+                                   for name in ("gemv.py", "gemv_tiles.py", "gemv_narrow.py",
+                                                "gemv_packed.py")))
 _SOURCES = f"{_SOURCES.hexdigest()} L1d {L1_DATA_BYTES}"  # compiled in as a constant
 
 
@@ -134,10 +122,15 @@ def out_rows(w):
     return w.shape[0]
 
 
-def blocks(w):
-    """How many calls of _block cover a weight's output rows: blocks of ROWS rows, or for a
-    packed weight units of UNIT panels (gemv_packed.py)."""
-    return -(-w.shape[0] // ROWS)
+def narrow(n_rows):
+    """Whether float32 weights go in gemv_narrow's tiles for this many activation rows."""
+    return not WIDE_VECTORS and n_rows >= NARROW_MIN_ROWS
+
+
+def blocks(x, w):
+    """How many calls of _block cover a weight's output rows for activation rows x: blocks of
+    ROWS rows (NARROW_ROWS for narrow tiles), or for a packed weight units of UNIT panels."""
+    return -(-w.shape[0] // (NARROW_ROWS if narrow(x.shape[0]) else ROWS))
 
 
 def in_cols(w):
@@ -148,12 +141,14 @@ def in_cols(w):
 def _block(x, w, y, block):
     """_gemv_block's contract, by the loop that reads these weights fastest for this many rows:
     sliced (_sliced) for half weights and up to SLICED_MAX_ROWS rows; float32 weights in tiles of
-    registers (gemv_tiles.py) from there to TILE_MAX_ROWS rows; eight contiguous rows beyond."""
+    registers from there (gemv_narrow.py with AVX2, gemv_tiles.py to TILE_MAX_ROWS rows with
+    AVX-512); eight contiguous rows beyond."""
     _gemv_block(x, w, y, block)
 
 
 if AVAILABLE:
     _eight_rows_block = njit(fastmath=_FASTMATH, cache=True)(_gemv_block)
+    narrow = njit(inline="always", cache=True)(narrow)
 
     @overload(out_rows)
     def _out_rows_for(w):
@@ -168,10 +163,12 @@ if AVAILABLE:
         return lambda w: w.shape[1]
 
     @overload(blocks)
-    def _blocks_for(w):
+    def _blocks_for(x, w):
         if isinstance(w, types.BaseTuple):
-            return lambda w: -(-w.codes.shape[0] // UNIT)
-        return lambda w: -(-w.shape[0] // ROWS)
+            return lambda x, w: -(-w.codes.shape[0] // UNIT)
+        if w.dtype != types.float32:
+            return lambda x, w: -(-w.shape[0] // ROWS)
+        return lambda x, w: -(-w.shape[0] // (NARROW_ROWS if narrow(x.shape[0]) else ROWS))
 
     @overload(_block)
     def _block_for(x, w, y, block):
@@ -186,6 +183,8 @@ if AVAILABLE:
         def float32_block(x, w, y, block):
             if x.shape[0] <= SLICED_MAX_ROWS:
                 _sliced(x, w, y, block)
+            elif narrow(x.shape[0]):
+                narrow_block(x, w, y, block * NARROW_ROWS, NARROW_ROWS)
             elif x.shape[0] <= TILE_MAX_ROWS:
                 tiles_block(x, w, y, block * ROWS, ROWS, L1_DATA_BYTES)
             else:
@@ -240,7 +239,7 @@ if AVAILABLE:
         """out = act(norm(x) @ w^T + bias) + residual (`_epilogue`), in one call."""
         x = _normalized(x, norm_weight, eps)
         y = empty_lines(x.shape[0], out_rows(w)) if swiglu else out  # (B, N)
-        for block in prange(blocks(w)):
+        for block in prange(blocks(x, w)):
             _block(x, w, y, block)
         _epilogue(y, bias, residual, swiglu, out)
 

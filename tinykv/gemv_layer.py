@@ -36,7 +36,7 @@ from .kernels.layout import empty_rows
 # and its loops' files too, so their key hashes all of them
 _SOURCES = hashlib.sha256(b"".join((Path(__file__).parent / name).read_bytes()
                                    for name in ("gemv_layer.py", "gemv.py", "gemv_tiles.py",
-                                                "gemv_packed.py")))
+                                                "gemv_narrow.py", "gemv_packed.py")))
 _SOURCES = f"{_SOURCES.hexdigest()} L1d {gemv.L1_DATA_BYTES}"  # as gemv._SOURCES
 
 if AVAILABLE:
@@ -77,7 +77,7 @@ if AVAILABLE:
         """out_qk, out_v = the RoPE'd q|k heads and v of norm(x) @ w^T + bias (_rope_epilogue)."""
         x = gemv._normalized(x, norm_weight, eps)
         y = gemv.empty_lines(x.shape[0], gemv.out_rows(w))  # (B, N)
-        for block in prange(gemv.blocks(w)):
+        for block in prange(gemv.blocks(x, w)):
             gemv._block(x, w, y, block)
         _rope_epilogue(y, bias, cos, sin, out_qk, out_v)
 
@@ -88,16 +88,16 @@ if AVAILABLE:
         """out (B, D) = h + (silu(gate) * up) @ w_out^T + b_out, [gate | up] = norm(h) @ w_in^T
         + b_in, h = x + o @ wo^T + bo: the rest of a layer after attention."""
         h = gemv.empty_lines(x.shape[0], x.shape[1])  # (B, D)
-        for block in prange(gemv.blocks(wo)):
+        for block in prange(gemv.blocks(o, wo)):
             gemv._block(o, wo, h, block)
         gemv._epilogue(h, bo, x, False, h)
         hn = gemv._normalized(h, norm_weight, eps)
         gate_up = gemv.empty_lines(x.shape[0], gemv.out_rows(w_in))  # (B, 2F)
-        for block in prange(gemv.blocks(w_in)):
+        for block in prange(gemv.blocks(hn, w_in)):
             gemv._block(hn, w_in, gate_up, block)
         act = gemv.empty_lines(x.shape[0], gemv.in_cols(w_out))  # (B, F)
         gemv._epilogue(gate_up, b_in, x[:0], True, act)
-        for block in prange(gemv.blocks(w_out)):
+        for block in prange(gemv.blocks(act, w_out)):
             gemv._block(act, w_out, out, block)
         gemv._epilogue(out, b_out, h, False, out)
 
