@@ -13,17 +13,23 @@ The 32 vector registers of AVX-512 hold 16 accumulators in three shapes, picked 
 8 activation rows by 2 panels (from 5 rows; at 16 rows as fast as 16 rows by one panel, which
 decodes half as often but needs a broadcast load per multiply-add, and twice as fast at 8), 4 by 4
 (2 to 4 rows), 1 by 4 (one row: 4 panels keep 4 independent sums in flight). Rows past the last
-repeat it, panels past the last repeat it; neither is written. Each call covers UNIT panels, the
-unit threads split; while it multiplies a block of 32 channels, the same block of the panels
-after it is prefetched into L2, so their reads overlap this arithmetic instead of following it
-(the README's speed section: the GEMV alone).
+repeat it, panels past the last repeat it; neither is written. AVX2's 16 registers of 8 lanes
+hold only a quarter of that: there a panel goes by halves, 8 of its rows by 8 activation rows (8
+sums, each pair's weights decoded once for 8 rows), and 2 to 4 rows a whole panel by 4 rows (over
+the default model's packed matrices on a Zen 3: 0.63x the time of the shapes above at 2 to 4
+rows, 0.70x at 8 to 32). Each call covers UNIT panels, the unit threads split; while it
+multiplies a block of 32 channels, the same block of the panels after it is prefetched into L2,
+so their reads overlap this arithmetic instead of following it (the README's speed section: the
+GEMV alone).
 """
 
 from __future__ import annotations
 
+import numpy as np
+
 from .gemv_tiles import _FASTMATH, _lane
 from .kernels.cpu_numerics import AVAILABLE, njit, prefetch_l2
-from .kernels.cpu_simd import load, plane_lanes, splat, splat_at, store, to_float
+from .kernels.cpu_simd import WIDE_VECTORS, load, plane_lanes, splat, splat_at, store, to_float
 from .kernels.cpu_simd_ops import fma
 
 PANEL = 16  # output rows per panel: one 16-lane vector of outputs
@@ -112,6 +118,87 @@ def _rows8_panels2(x, w, p0, p1, starts):
     return (a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7)
 
 
+def _half_weights(w, panel, group, pair, half):
+    """_weights for rows 8 * half .. + 7 of the panel: two 8-lane float32 vectors."""
+    return _half_weights4(w, panel, group, pair, half)
+
+
+def _half_weights4(w, panel, group, pair, half):
+    at = (panel * w.scales.shape[1] + group) * PANEL + 8 * half
+    d, m = load(w.scales, at, 8), load(w.mins, at, 8)
+    byte = (panel * w.codes.shape[1] + group * PAIRS + pair) * PANEL + 8 * half
+    even = fma(to_float(plane_lanes(w.codes, byte, 0, 8, 4, 8)), d, m)
+    odd = fma(to_float(plane_lanes(w.codes, byte, 8, 8, 4, 8)), d, m)
+    return even, odd
+
+
+def _half_weights8(w, panel, group, pair, half):
+    d = load(w.scales, (panel * w.scales.shape[1] + group) * PANEL + 8 * half, 8)
+    byte = (panel * w.codes.shape[1] + group * PAIRS + pair) * 2 * PANEL + 8 * half
+    return to_float(load(w.codes, byte, 8)) * d, to_float(load(w.codes, byte + PANEL, 8)) * d
+
+
+def _half_row(x, at, ws, a):
+    """One row's two channels (flat at and at + 1 in x) into 8 outputs' sums a (ws: their
+    weights at the two channels)."""
+    return fma(splat_at(x, at + 1, 8), ws[1], fma(splat_at(x, at, 8), ws[0], a))
+
+
+def _one_panel(x, at, ws, a):
+    """One row's two channels (flat at and at + 1 in x) into one panel's sums a (ws: its
+    weights)."""
+    return fma(splat_at(x, at + 1, PANEL), ws[1], fma(splat_at(x, at, PANEL), ws[0], a))
+
+
+def _rows4_panel1(x, w, p, starts):
+    """Sums of 4 activation rows (flat starts) by panel p, row by row: where vectors are 256 bits,
+    4 sums and a pair's weights in 12 of the 16 registers."""
+    s0, s1, s2, s3 = starts
+    a0 = a1 = a2 = a3 = splat(0.0, PANEL)
+    for group in range(w.scales.shape[1]):
+        _prefetch_group(w, p + UNIT, group)
+        for pair in range(PAIRS):
+            ws = _weights(w, p, group, pair)
+            c = 2 * (group * PAIRS + pair)
+            a0, a1 = _one_panel(x, s0 + c, ws, a0), _one_panel(x, s1 + c, ws, a1)
+            a2, a3 = _one_panel(x, s2 + c, ws, a2), _one_panel(x, s3 + c, ws, a3)
+    return (a0, a1, a2, a3)
+
+
+def _rows8_half(x, w, p, half, starts, ahead):
+    """Sums of 8 activation rows (flat starts) by rows 8 * half .. + 7 of panel p, 8 lanes a row:
+    where vectors are 256 bits, 8 sums in 8 registers and each pair's weights decoded once for
+    8 rows; panel `ahead` prefetched (< 0: none)."""
+    s0, s1, s2, s3, s4, s5, s6, s7 = starts
+    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = splat(0.0, 8)
+    for group in range(w.scales.shape[1]):
+        if ahead >= 0:
+            _prefetch_group(w, ahead, group)
+        for pair in range(PAIRS):
+            ws = _half_weights(w, p, group, pair, half)
+            c = 2 * (group * PAIRS + pair)
+            a0, a1 = _half_row(x, s0 + c, ws, a0), _half_row(x, s1 + c, ws, a1)
+            a2, a3 = _half_row(x, s2 + c, ws, a2), _half_row(x, s3 + c, ws, a3)
+            a4, a5 = _half_row(x, s4 + c, ws, a4), _half_row(x, s5 + c, ws, a5)
+            a6, a7 = _half_row(x, s6 + c, ws, a6), _half_row(x, s7 + c, ws, a7)
+    return (a0, a1, a2, a3, a4, a5, a6, a7)
+
+
+def _write_half(y, sums, first_row, col, n_out):
+    """y[first_row + i, col .. col + 7] = sums[i] (8 lanes each), inside y (B, n_out)."""
+    lanes = np.empty(8, np.float32)
+    for i in range(len(sums)):
+        row = first_row + i
+        if row >= y.shape[0]:
+            break
+        if col + 8 <= n_out and y.flags.c_contiguous:
+            store(y, row * y.shape[1] + col, sums[i])
+            continue
+        store(lanes, 0, sums[i])
+        for lane in range(min(8, n_out - col)):
+            y[row, col + lane] = lanes[lane]
+
+
 def _rows4_panels4(x, w, panels, starts):
     """Sums of 4 activation rows (flat starts) by 4 panels, row by row."""
     s0, s1, s2, s3 = starts
@@ -170,7 +257,7 @@ def _start(row, last, k):
 def panels_product(x, w, y, unit):
     """Output rows of panels UNIT * unit .. + UNIT - 1 of y (B, N) = x (B, K) @ W^T, W packed in
     w (packed.Packed) and x C-contiguous: rows 8 at a time while more than 4 are left, then 4 or
-    1 (the shapes above)."""
+    1 (the shapes above; with AVX2 their own)."""
     n_rows, k = x.shape
     last = n_rows - 1
     last_panel = w.codes.shape[0] - 1
@@ -178,6 +265,25 @@ def panels_product(x, w, y, unit):
     p = (first, min(first + 1, last_panel), min(first + 2, last_panel),
          min(first + 3, last_panel))
     done = 0
+    if not WIDE_VECTORS:  # AVX2: tiles whose sums fit 16 registers
+        while n_rows - done > 4:  # half a panel by 8 rows: a pair's weights decoded per 8 rows
+            starts = (_start(done, last, k), _start(done + 1, last, k), _start(done + 2, last, k),
+                      _start(done + 3, last, k), _start(done + 4, last, k),
+                      _start(done + 5, last, k), _start(done + 6, last, k),
+                      _start(done + 7, last, k))
+            for q in range(UNIT):
+                for half in range(2 if first + q <= last_panel else 0):
+                    ahead = first + q + UNIT if done == 0 and half == 0 else -1
+                    _write_half(y, _rows8_half(x, w, p[q], half, starts, ahead), done,
+                                p[q] * PANEL + 8 * half, w.rows)
+            done += 8
+        if n_rows - done > 1:  # 2 to 4 rows: a panel by 4 rows
+            starts4 = (_start(done, last, k), _start(done + 1, last, k),
+                       _start(done + 2, last, k), _start(done + 3, last, k))
+            for q in range(UNIT):
+                if first + q <= last_panel:
+                    _write(y, _rows4_panel1(x, w, p[q], starts4), done, (p[q],), w.rows)
+            done = n_rows
     while n_rows - done > 4:
         starts = (_start(done, last, k), _start(done + 1, last, k), _start(done + 2, last, k),
                   _start(done + 3, last, k), _start(done + 4, last, k), _start(done + 5, last, k),
@@ -202,13 +308,22 @@ if AVAILABLE:
     def _weights_for(w, panel, group, pair):
         return _weights8 if w.types[0].dtype == types.int8 else _weights4
 
+    @overload(_half_weights, inline="always")
+    def _half_weights_for(w, panel, group, pair, half):
+        return _half_weights8 if w.types[0].dtype == types.int8 else _half_weights4
+
     _prefetch_group = njit(inline="always", cache=True)(_prefetch_group)
     _two_panels = njit(inline="always", cache=True)(_two_panels)
     _four_weights = njit(inline="always", cache=True)(_four_weights)
     _four_panels = njit(inline="always", cache=True)(_four_panels)
+    _half_row = njit(inline="always", cache=True)(_half_row)
+    _one_panel = njit(inline="always", cache=True)(_one_panel)
     _start = njit(inline="always", cache=True)(_start)
     _rows8_panels2 = njit(fastmath=_FASTMATH, cache=True)(_rows8_panels2)
     _rows4_panels4 = njit(fastmath=_FASTMATH, cache=True)(_rows4_panels4)
+    _rows8_half = njit(fastmath=_FASTMATH, cache=True)(_rows8_half)
+    _rows4_panel1 = njit(fastmath=_FASTMATH, cache=True)(_rows4_panel1)
+    _write_half = njit(cache=True)(_write_half)
     _row1_panels4 = njit(fastmath=_FASTMATH, cache=True)(_row1_panels4)
     _write = njit(cache=True)(_write)
     panels_product = njit(fastmath=_FASTMATH, inline="always", cache=True)(panels_product)
