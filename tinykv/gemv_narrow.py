@@ -10,8 +10,9 @@ enough). gemv_tiles' tiles keep 16 accumulators of 16 lanes, 32 of these registe
 the eight-row loop loads 9 vectors for 8 multiply-adds, so loads bound it; here 7 load for 12.
 
 A block of output rows goes 3 weight rows at a time, each through every group of 4 activation
-rows while its 3 rows stay in L1. The 3 rows after them are asked for into L2 meanwhile, a line
-or two each step, so that their reads overlap this tile's arithmetic. A group past the last
+rows while its 3 rows stay in L1. The 3 rows after them are asked for into L2 meanwhile, a few
+lines every BURST steps, spread evenly over the tile's steps, so that their reads overlap its
+arithmetic; the steps after the last request go in a loop without any. A group past the last
 activation or weight row repeats that row (its sums are dropped); channels past the last multiple
 of 8 are added one by one.
 """
@@ -26,6 +27,7 @@ from .kernels.cpu_simd_ops import fma, pair
 X_ROWS, W_ROWS = 4, 3  # activation rows and weight rows a tile
 LANES = 8  # channels a step: one 256-bit register of float32
 LINE = 16  # float32 a cache line
+BURST = 4  # steps between requests for the next tile's lines
 NARROW_ROWS = 8 * W_ROWS  # output rows a block of the GEMV (gemv.blocks): whole tiles
 
 
@@ -46,33 +48,41 @@ def _row_sums(a0, a1, a2):
     return pair(_join(a0, a1), _join(a2, splat(0.0, LANES)), 8)
 
 
-def _tile_sums(x, w, x_rows, w_rows, steps, next_at, first_line, n_lines, per_step):
-    """The 12 dot products of activation rows x_rows (4 flat row starts in x) with weight rows
-    w_rows (3 flat row starts in w) over the first 8 * steps channels, as 16 lanes: lane 4 i + j
-    holds activation row i with weight row j (lanes 4 i + 3: zero). Lines of w from flat index
-    next_at (the next tile's rows) are asked for into L2, per_step (1 or 2) a step from line
-    first_line, none past line n_lines - 1 (next_at < 0: none at all)."""
+def _step(x, w, x_rows, w_rows, c, sums):
+    """One step of _tile_sums: channels c .. c+7 of the 4 activation rows times the 3 weight
+    rows, added into the 12 sums (activation row i, weight row j at 3 i + j)."""
     x0, x1, x2, x3 = x_rows
     w0, w1, w2 = w_rows
-    a00 = a01 = a02 = a10 = a11 = a12 = splat(0.0, LANES)
-    a20 = a21 = a22 = a30 = a31 = a32 = splat(0.0, LANES)
-    last = n_lines - 1
-    for step in range(steps):
-        c = step * LANES
-        if next_at >= 0:  # no branch per line: a line past the last asks for the last again
-            line = first_line + step * per_step
-            prefetch_l2(w, next_at + min(line, last) * LINE)
-            if per_step > 1:
-                prefetch_l2(w, next_at + min(line + 1, last) * LINE)
-        v0, v1, v2 = load(w, w0 + c, 8), load(w, w1 + c, 8), load(w, w2 + c, 8)
-        u = load(x, x0 + c, 8)
-        a00, a01, a02 = fma(u, v0, a00), fma(u, v1, a01), fma(u, v2, a02)
-        u = load(x, x1 + c, 8)
-        a10, a11, a12 = fma(u, v0, a10), fma(u, v1, a11), fma(u, v2, a12)
-        u = load(x, x2 + c, 8)
-        a20, a21, a22 = fma(u, v0, a20), fma(u, v1, a21), fma(u, v2, a22)
-        u = load(x, x3 + c, 8)
-        a30, a31, a32 = fma(u, v0, a30), fma(u, v1, a31), fma(u, v2, a32)
+    a00, a01, a02, a10, a11, a12, a20, a21, a22, a30, a31, a32 = sums
+    v0, v1, v2 = load(w, w0 + c, 8), load(w, w1 + c, 8), load(w, w2 + c, 8)
+    u = load(x, x0 + c, 8)
+    a00, a01, a02 = fma(u, v0, a00), fma(u, v1, a01), fma(u, v2, a02)
+    u = load(x, x1 + c, 8)
+    a10, a11, a12 = fma(u, v0, a10), fma(u, v1, a11), fma(u, v2, a12)
+    u = load(x, x2 + c, 8)
+    a20, a21, a22 = fma(u, v0, a20), fma(u, v1, a21), fma(u, v2, a22)
+    u = load(x, x3 + c, 8)
+    a30, a31, a32 = fma(u, v0, a30), fma(u, v1, a31), fma(u, v2, a32)
+    return a00, a01, a02, a10, a11, a12, a20, a21, a22, a30, a31, a32
+
+
+def _tile_sums(x, w, x_rows, w_rows, steps, ahead, ahead_bursts, lines):
+    """The 12 dot products of activation rows x_rows (4 flat row starts in x) with weight rows
+    w_rows (3 flat row starts in w) over the first 8 * steps channels, as 16 lanes: lane 4 i + j
+    holds activation row i with weight row j (lanes 4 i + 3: zero). Over the first ahead_bursts
+    bursts of BURST steps, `lines` lines of w a burst, from flat index `ahead` on, are asked for
+    into L2; the steps after them run in a loop of their own, which pays nothing for requests."""
+    zero = splat(0.0, LANES)
+    sums = (zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero)
+    for burst in range(ahead_bursts):
+        at = ahead + burst * lines * LINE
+        for line in range(lines):
+            prefetch_l2(w, at + line * LINE)
+        for step in range(burst * BURST, (burst + 1) * BURST):
+            sums = _step(x, w, x_rows, w_rows, step * LANES, sums)
+    for step in range(ahead_bursts * BURST, steps):
+        sums = _step(x, w, x_rows, w_rows, step * LANES, sums)
+    a00, a01, a02, a10, a11, a12, a20, a21, a22, a30, a31, a32 = sums
     # the transpose-and-add tree: 4 sums of 4 lanes a row, then 2 lanes, then 1
     top = pair(_row_sums(a00, a01, a02), _row_sums(a10, a11, a12), 4)
     bottom = pair(_row_sums(a20, a21, a22), _row_sums(a30, a31, a32), 4)
@@ -97,15 +107,19 @@ def _narrow_block(x, w, y, first, count):
     if groups == 0 or first >= end:
         return
     n_lines = -(-W_ROWS * k // LINE)  # the next tile's lines, asked for over its groups' steps
-    per_step = 1 if groups * steps >= n_lines else 2  # 2 where one group (n_lines: 1.5 steps)
+    # Spread evenly over the tile's groups: asked for in a bunch (as many as the loads of one
+    # group), they would outrun what a core can have in flight from DRAM, and loads would wait.
+    group_bursts = steps // BURST
+    lines = -(-n_lines // max(groups * group_bursts, 1))  # a burst
     for o in range(first, end, W_ROWS):
-        w0, w1, w2, _ = _starts(o, 3, end - 1, k)
-        next_at = (o + W_ROWS) * k if o + W_ROWS < n_out else -1
+        w_rows = _starts(o, 3, end - 1, k)[:3]
+        ahead = o + W_ROWS < n_out  # the next tile's rows are in the matrix
         for g in range(groups):
-            first_line = g * steps * per_step  # this group's share of the next tile's lines
-            ahead = next_at if first_line < n_lines else -1
-            sums = _tile_sums(x, w, _starts(g * X_ROWS, 4, n_rows - 1, k), (w0, w1, w2), steps,
-                              ahead, first_line, n_lines, per_step)
+            x_rows = _starts(g * X_ROWS, 4, n_rows - 1, k)
+            first_line = g * group_bursts * lines  # this group's share of the next tile's lines
+            bursts = min(group_bursts, -(-(n_lines - first_line) // lines)) if ahead else 0
+            sums = _tile_sums(x, w, x_rows, w_rows, steps, (o + W_ROWS) * k + first_line * LINE,
+                              max(bursts, 0), lines)
             if (g + 1) * X_ROWS <= n_rows and o + W_ROWS <= end and steps * LANES == k:
                 for i in range(X_ROWS):  # a whole tile, no tail channels: constant lanes
                     for j in range(W_ROWS):
@@ -122,6 +136,7 @@ def _narrow_block(x, w, y, first, count):
 
 if AVAILABLE:
     _row_sums = njit(inline="always", cache=True)(_row_sums)
+    _step = njit(fastmath=_FASTMATH, inline="always", cache=True)(_step)
     _tile_sums = njit(fastmath=_FASTMATH, inline="always", cache=True)(_tile_sums)
     _starts = njit(inline="always", cache=True)(_starts)
     narrow_block = njit(fastmath=_FASTMATH, cache=True)(_narrow_block)
