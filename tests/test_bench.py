@@ -169,6 +169,7 @@ def test_profile_splits_a_decode_step(tiny):
     from torch.nn import RMSNorm
 
     from tinykv.bench import profile as bp
+    from tinykv.bench.ceilings import linear_macs
     from tinykv.cache import PagedKVCache
     from tinykv.model import Linear
     from tinykv.pools import KVPools
@@ -189,6 +190,9 @@ def test_profile_splits_a_decode_step(tiny):
     assert [(r["path"], r["rows"]) for r in alone] == [
         ("F.linear", 1), ("model (linear_cpu)", 1), ("F.linear", 3), ("model (linear_cpu)", 3)]
     assert all(r["ms"] > 0 and r["products"] == 2 * 4 + 1 for r in alone)
+    macs = linear_macs(model)  # bench roofline's count: every matrix a step reads, from its params
+    assert all(math.isclose(r["gfma_s"], r["rows"] * macs / r["ms"] / 1e6, rel_tol=1e-9)
+               for r in alone)
 
 
 def test_profile_times_packed_weights_beside_their_float32_selves(tiny):

@@ -10,7 +10,8 @@ last. Timers wrap those functions for the run only.
 Then the linear layers alone: the model's weight matrices, with a few activation rows each
 (--linear-rows), through F.linear and through the product the model chose (gemv.py), and where
 weights are packed (--packed-weights) through that product on the float32 weights too,
-interleaved, with the bytes each path reads and the read rate.
+interleaved, with the bytes each path reads, the read rate, and the multiply-adds a second
+beside the FMA peak (bench/ceilings.py): one row is bound by the reads, many by the arithmetic.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from ..generate import Engine, Sampling
 from ..model import Linear, Transformer
 from ..packed import packed_arrays, packed_bytes
 from ..pools import KVPools
+from .ceilings import fma_peak
 from .common import specs_that_fit
 
 PARTS = ["linear", "cache.write", "cache.attend"]
@@ -172,9 +174,13 @@ def run(model: Transformer, weights: Path, text: str, prompts: list[int], n_new:
         hf = tf.AutoModelForCausalLM.from_pretrained(weights, dtype=model.embed.weight.dtype)
         hf = hf.eval()
     rows = []
+    threads = torch.get_num_threads()
+    peak = fma_peak(threads=threads)
+    print(f"FMA peak {peak:.0f} GFMA/s (float32, {threads} thread{'s' * (threads > 1)})")
     for r in linear_alone(model, linear_rows):
         print(f"linear alone, {r['rows']:>2} rows: {r['path']:45} {r['products']} products, "
-              f"{r['weight_bytes'] / 1e6:.0f} MB: {r['ms']:.1f} ms, {r['gb_s']:.1f} GB/s",
+              f"{r['weight_bytes'] / 1e6:.0f} MB: {r['ms']:.1f} ms, {r['gb_s']:.1f} GB/s, "
+              f"{r['gfma_s']:.1f} GFMA/s ({100 * r['gfma_s'] / peak:.0f}% of the peak)",
               flush=True)
     head = " ".join(f"{k:>12}" for k in PARTS + ["rest"])
     print(f"{'engine / KV':24} {'prompt':>6} {'ms/token':>9} {head}")
@@ -199,13 +205,15 @@ def linear_alone(model: Transformer, rows: tuple[int, ...] = (1,), reps: int = 5
     """The model's linear layers (a decode step's products, the tied head once) with each count
     of activation rows, through F.linear and the model's own product, and, where some weights are
     packed, the model's product on the float32 weights too (a detached view carries no packed
-    arrays), interleaved: best total ms of `reps`, the bytes each path reads and their rate."""
+    arrays), interleaved: best total ms of `reps`, the bytes each path reads and their rate, and
+    the multiply-adds a second (G)."""
     layers = list(dict.fromkeys(m for m in model.modules() if isinstance(m, Linear)))
     product = layers[0].product
     name = getattr(product, "func", product).__name__  # a partial: the kernel it calls
     plain = {m: m.weight.detach() for m in layers}  # the float32 weights as they are
     as_loaded = {m: m.weight for m in layers}  # packed ones read packed
     float32_bytes = sum(m.weight.nbytes for m in layers)
+    macs = sum(m.in_features * m.out_features for m in layers)  # a row's multiply-adds
     read = sum(packed_bytes(w) for w in as_loaded.values())
     paths = {"F.linear": (F.linear, plain, float32_bytes),
              f"model ({name})": (product, as_loaded, read)}
@@ -224,6 +232,7 @@ def linear_alone(model: Transformer, rows: tuple[int, ...] = (1,), reps: int = 5
                     if rep:
                         best[path] = min(best[path], time.perf_counter() - t0)
         out += [{"path": path, "rows": n, "products": len(layers), "weight_bytes": nbytes,
-                 "ms": 1e3 * best[path], "gb_s": nbytes / best[path] / 1e9}
+                 "ms": 1e3 * best[path], "gb_s": nbytes / best[path] / 1e9,
+                 "gfma_s": n * macs / best[path] / 1e9}
                 for path, (_, _, nbytes) in paths.items()]
     return out
