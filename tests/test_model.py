@@ -79,3 +79,29 @@ def test_corrupt_safetensors(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
     with pytest.raises(ModelError, match="corrupt safetensors"):
         Transformer.from_pretrained(tmp_path, device="cpu")
+
+
+@pytest.mark.parametrize("kind, h, kv, hd", [("llama", 4, 2, 64), ("gpt2", 4, 4, 64)])
+def test_loading_leaves_torch_dynamo_unimported(kind, h, kv, hd, tmp_path):
+    """from_pretrained builds the model on the meta device without torch's initializers: normal_
+    and arange there import torch._dynamo, a slow import at every command's start. The model that
+    loads still matches transformers (the RoPE tables and embeddings come from the files)."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import save_file
+
+    model_dir, io = tmp_path / "model", tmp_path / "io.safetensors"
+    hf = make_hf_model(kind, h, kv, hd, model_dir)
+    ids = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        save_file({"ids": ids, "want": hf(ids).logits}, str(io))
+    code = ("import sys, torch\nfrom safetensors.torch import load_file\n"
+            "from tinykv.model import Transformer\n"
+            f"m = Transformer.from_pretrained({str(model_dir)!r}, device='cpu')\n"
+            "print('torch._dynamo' in sys.modules)\n"
+            f"io = load_file({str(io)!r})\n"
+            "torch.testing.assert_close(m(io['ids']), io['want'], atol=1e-4, rtol=1e-4)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["False"], r.stderr

@@ -274,18 +274,26 @@ class Transformer(nn.Module):
     """The decoder: embeddings, the blocks, the final norm and the LM head."""
     layers_fn: Callable = staticmethod(run_layers)  # chosen at load, like Linear.product
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, init: bool = True):
+        """init=False: the weights are left as torch.empty made them, for a checkpoint to replace,
+        and no RoPE tables are made (from_pretrained builds on the meta device, where torch's
+        normal_ and arange import torch._dynamo, a slow import no command needs)."""
         super().__init__()
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.pos_embed = nn.Embedding(cfg.max_seq_len, cfg.dim) if cfg.gpt2_style else None
+
+        def embedding(rows: int) -> nn.Embedding:
+            if init:
+                return nn.Embedding(rows, cfg.dim)
+            return nn.Embedding(rows, cfg.dim, _weight=torch.empty(rows, cfg.dim))
+        self.embed = embedding(cfg.vocab_size)
+        self.pos_embed = embedding(cfg.max_seq_len) if cfg.gpt2_style else None
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = make_norm(cfg)
         self.lm_head = Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
-        if not cfg.gpt2_style:
-            cos, sin = rope_tables(cfg)
+        if not cfg.gpt2_style:  # without init, the caller computes them off the meta device
+            cos, sin = rope_tables(cfg) if init else (None, None)
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
 
@@ -340,7 +348,7 @@ class Transformer(nn.Module):
         dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
         hf = load_safetensors(path)
         with torch.device("meta"):
-            model = cls(cfg)
+            model = cls(cfg, init=False)
         try:
             sd = convert_hf_state_dict(cfg, hf)
         except RuntimeError as e:  # torch.cat of tensors whose shapes disagree
