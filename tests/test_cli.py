@@ -608,6 +608,40 @@ def test_an_answer_of_one_token_shows_no_decode_rate(files: dict[str, str],
     assert two.returncode == 0 and re.search(r"decode \d+\.\d tok/s", two.stderr), two.stderr
 
 
+@pytest.mark.parametrize("kv, n_words", [("int8", 12), ("k=int4:channel:asym,v=int4:g8:asym", 12),
+                                         ("k=int4:channel,v=int4:g8,sink=2,residual=16", 40)])
+def test_timed_steps_compile_nothing(kv: str, n_words: int, files: dict[str, str],
+                                     tmp_path: Path) -> None:
+    """The prefill and decode rates time the run's own steps: its kernels were compiled or
+    loaded (numba's overloads) by a warm-up before them, so no overload appears during them,
+    blocks quantized past the full-precision tokens included."""
+    work, _ = prepare(tmp_path)
+    args = fill(["generate", words(n_words), "--weights", "{tiny}", "--temperature", "0",
+                 "--max-new-tokens", "6", "--kv", kv], files, work)
+    script = f"""
+import gc, sys
+from numba.core.registry import CPUDispatcher
+from tinykv.cli import commands, main
+def overloads():
+    return sum(len(d.overloads) for d in gc.get_objects() if isinstance(d, CPUDispatcher))
+real, seen = commands.run_engine, []
+def timed(eng, dec):
+    seen.append(overloads())
+    stats = real(eng, dec)
+    seen.append(overloads())
+    return stats
+commands.run_engine = timed
+status = main({args!r})
+print("overloads", *seen, file=sys.stderr)
+sys.exit(status)
+"""
+    r = subprocess.run([sys.executable, "-c", script], cwd=work, env=child_env(work / "tmp"),
+                       capture_output=True, text=True, timeout=TIMEOUT)
+    assert r.returncode == 0, r.stderr
+    before, after = map(int, r.stderr.split("overloads")[1].split())
+    assert before > 0 and after == before, r.stderr
+
+
 def test_passkey_on_a_base_model(files: dict[str, str], tmp_path: Path) -> None:
     """eval --task passkey on a model with no chat template (the tiny one): the plain prompt,
     a table and a count, not 'run without --chat' (a flag eval does not have)."""

@@ -64,6 +64,31 @@ def open_cache(stack: ExitStack, model: Transformer, args, spec: KVSpec, tokens:
     return cache
 
 
+WARM_STEPS = 2  # the warm-up's decode steps
+
+
+def warm_kernels(model: Transformer, args, spec: KVSpec) -> None:
+    """A prompt of one block, then two decode steps, through a cache of its own in the run's KV
+    format, block size and attention kernels: numba compiles those kernels here (a fresh
+    install, a new format) or loads them from its cache, not inside the run's first steps,
+    whose time the prefill and decode rates count. A full block is what per-channel keys need
+    before their block is quantized."""
+    from ..generate import Engine, Sampling
+
+    p = next(model.parameters())
+    prompt = max(1, min(args.block_size, model.cfg.max_seq_len - WARM_STEPS))
+    cache = make_cache(model.cfg, spec, tokens=prompt + WARM_STEPS,
+                       scales=scales_of(args, model, spec), attention=args.attention,
+                       block_size=args.block_size, max_seqs=1, max_step_tokens=prompt,
+                       device=p.device, dtype=p.dtype)
+    with cache:
+        eng = Engine(model, cache, max_batch=1, prefill_chunk=prompt)
+        eng.add([model.cfg.bos_token_id or 0] * prompt,
+                Sampling(temperature=0.0, max_new_tokens=WARM_STEPS))
+        for _ in eng.run():
+            pass
+
+
 def scales_of(args, model: Transformer, spec: KVSpec) -> dict[str, torch.Tensor] | None:
     """The --kv-scales file's tensors for a spec that takes them."""
     if not (args.kv_scales and spec.needs_scales):

@@ -30,6 +30,7 @@ from .caches import (
     open_cache,
     pool_size,
     scales_of,
+    warm_kernels,
     warn,
 )
 from .flags import DEFAULT_MAX_BATCH, DEFAULT_WINDOW
@@ -169,6 +170,7 @@ def cmd_generate(args) -> None:
         cache = open_cache(stack, model, args, args.kv, need, max_seqs, args.prefill_chunk)
         longest = max(range(len(ids)), key=lambda i: len(ids[i]))
         check_fits(cache, args, len(ids[longest]) + 1, f"prompt {longest + 1}")
+        warm_kernels(model, args, args.kv)  # greedy, on a cache of its own: it changes nothing
         eng = Engine(model, cache, eos_ids=tok.eos_ids, max_batch=max_batch,
                      prefill_chunk=args.prefill_chunk)
         samp = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
