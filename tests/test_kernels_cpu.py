@@ -404,6 +404,46 @@ def test_plane_lanes_reads_any_chunk_of_a_packed_row(bits, D):
         assert torch.equal(torch.from_numpy(got), want[first:first + lanes]), (first, lanes)
 
 
+@pytest.mark.parametrize("dtype", [np.int32, np.float32])
+def test_trees_over_16_and_8_lane_segments_sum_each_key(dtype):
+    """cpu_simd_tree: 16 keys' partial sums (16 lanes for each of 3 heads) through the tree over
+    16-lane segments (pair), and through the one over 8-lane segments that AVX2's tile scorer
+    takes (each key folded by `half`, pair8, the two eights joined): each key's sum per head in a
+    lane of its own, in key order, against numpy's."""
+    from tinykv.kernels import cpu_numerics
+    from tinykv.kernels.cpu_simd import load, store
+    from tinykv.kernels.cpu_simd_tree import half, join, pair, pair8
+
+    R, n = 3, 48  # heads; lanes a key
+
+    @cpu_numerics.njit
+    def wide(x, out):  # x: (16 keys x R x 16)
+        def four(t):
+            return pair(pair(load(x, t * n, n), load(x, (t + 1) * n, n), 16),
+                        pair(load(x, (t + 2) * n, n), load(x, (t + 3) * n, n), 16), 8)
+        store(out, 0, pair(pair(four(0), four(4), 4), pair(four(8), four(12), 4), 2))
+
+    @cpu_numerics.njit
+    def narrow(x, out):
+        def one(t):
+            v = load(x, t * n, n)
+            return half(v, 0) + half(v, 1)
+
+        def eight(t):
+            return pair8(pair8(pair8(one(t), one(t + 1), 8), pair8(one(t + 2), one(t + 3), 8), 4),
+                         pair8(pair8(one(t + 4), one(t + 5), 8), pair8(one(t + 6), one(t + 7), 8),
+                               4), 2)
+        store(out, 0, join(eight(0), eight(8)))
+
+    rng = np.random.default_rng(5)
+    x = rng.integers(-1000, 1000, (16, R, 16)).astype(dtype)
+    want = x.astype(np.float64).sum(axis=2).T.reshape(-1)  # (R x 16): head r, key t
+    for tree in (wide, narrow):
+        got = np.empty(R * 16, dtype)
+        tree(np.ascontiguousarray(x.reshape(-1)), got)
+        np.testing.assert_array_equal(got.astype(np.float64), want, err_msg=tree.__name__)
+
+
 def test_chunk_lanes_fit_the_registers():
     """The value sums' chunk where vectors are 256 bits: a multiple of 16 dividing D, as wide as
     16 registers of 8 floats allow (R x C sums at most 96 lanes, their C lanes beside)."""

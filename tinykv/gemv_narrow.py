@@ -22,7 +22,8 @@ from __future__ import annotations
 from .gemv_tiles import _FASTMATH, _lane
 from .kernels.cpu_numerics import AVAILABLE, intrinsic, njit, prefetch_l2
 from .kernels.cpu_simd import Vec, _pick, load, splat
-from .kernels.cpu_simd_ops import fma, pair
+from .kernels.cpu_simd_ops import fma
+from .kernels.cpu_simd_tree import pair
 
 X_ROWS, W_ROWS = 4, 3  # activation rows and weight rows a tile
 LANES = 8  # channels a step: one 256-bit register of float32

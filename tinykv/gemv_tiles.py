@@ -30,7 +30,8 @@ import numpy as np
 
 from .kernels.cpu_numerics import AVAILABLE, intrinsic, ir, njit, prefetch_l2, types
 from .kernels.cpu_simd import _pieces, load, splat
-from .kernels.cpu_simd_ops import fma, pair
+from .kernels.cpu_simd_ops import fma
+from .kernels.cpu_simd_tree import pair
 from .kernels.layout import cpu_caches
 
 GROUP = 4  # activation rows, and output rows, per tile

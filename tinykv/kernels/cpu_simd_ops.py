@@ -1,7 +1,8 @@
-"""What the vector kernel does with Vec values (cpu_simd.py): copies per head, the transpose-
-and-add tree, per-head reductions, the orders of packed codes, and lane-by-lane math (2^x, log2,
-rounding). Every mask is a compile-time constant and no shuffle is wider than two 16-lane pieces
-(cpu_simd._pick), so LLVM lowers each to one or two permute instructions.
+"""What the vector kernel does with Vec values (cpu_simd.py): copies per head, per-head
+reductions, the orders of packed codes, and lane-by-lane math (2^x, log2, rounding); the
+transpose-and-add tree is cpu_simd_tree.py. Every mask is a compile-time constant and no shuffle
+is wider than two 16-lane pieces (cpu_simd._pick), so LLVM lowers each to one or two permute
+instructions.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from .cpu_simd import (
     PIECE,
     Vec,
     _data,
-    _is_float,
     _literal,
     _map,
     _mask,
@@ -32,31 +32,6 @@ def spread(typingctx, v, each):
         n = sig.args[0].lanes
         return _pick(builder, [args[0]], [(0, i // k) for i in range(n * k)], n * k)
     return Vec(v.dtype, v.lanes * k)(v, each), codegen
-
-
-@intrinsic(prefer_literal=True)
-def pair(typingctx, x, y, width):
-    """One step of the transpose-and-add tree over 16-lane segments (one per head): x and y hold,
-    per segment, keys of `width` lanes of partial sums; the result holds x's keys then y's, each
-    summed to width / 2 lanes. Four steps from 16 keys of 16 lanes leave one lane per key, in
-    key order."""
-    w = _literal(width)
-
-    def codegen(context, builder, sig, args):
-        lo, hi = [], []
-        for g in range(sig.args[0].lanes // PIECE):
-            for src in (0, 1):
-                for key in range(PIECE // w):
-                    first = g * PIECE + key * w
-                    lo += [(src, first + i) for i in range(w // 2)]
-                    hi += [(src, first + w // 2 + i) for i in range(w // 2)]
-        n = len(lo)
-        a = _pick(builder, list(args[:2]), lo, n)
-        b = _pick(builder, list(args[:2]), hi, n)
-        if _is_float(sig.args[0]):
-            return _map(builder, lambda p, q: builder.fadd(p, q, flags=FLAGS), a, b)
-        return _map(builder, builder.add, a, b)
-    return x(x, y, width), codegen
 
 
 def _segment(v, seg, op: str):

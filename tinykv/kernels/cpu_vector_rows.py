@@ -7,6 +7,9 @@ Integer keys whose rows are a multiple of 32 bytes are read two at a time as 16-
 (cpu_simd.word_planes), the query permuted once to match (cpu_simd_ops.WORDS): the dot products of
 a key pair leave 8 partial sums per key, so the transpose-and-add tree starts one step shorter and
 that step is paid once per key pair, not once per query head. Other keys go one at a time.
+With AVX2 those key pairs go through the tree over 8-lane segments (cpu_simd_tree): over 16-lane
+ones each level of the tree holds two registers a head, and a tile of 16 keys spilled sums to the
+stack (about 3 instructions a key more, `inspect_asm`).
 
 Integer keys with a scale per token and group of channels (`grouped_keys`) cannot take the scale
 out of the whole dot product: each key is dequantized into float32 lanes first, as a value row is,
@@ -21,6 +24,7 @@ from .cpu_args import TOKEN_SCALES, PoolFormat
 from .cpu_numerics import BFLOAT, FLOAT32, FP8, HALF, INTEGER, intrinsic, ir, njit, types
 from .cpu_simd import (
     HAS_F16C,
+    WIDE_VECTORS,
     Vec,
     _literal,
     _map,
@@ -32,7 +36,8 @@ from .cpu_simd import (
     to_int16,
     word_planes,
 )
-from .cpu_simd_ops import head_dots, pair, repeat, spread
+from .cpu_simd_ops import head_dots, repeat, spread
+from .cpu_simd_tree import half, join, pair, pair8
 
 # Prefetched into L2, not L1 (prefetcht1, not t0), and a row's lines per key read, not a whole
 # block's at once: a prefetch waits for a free miss buffer, so a burst of them stalls the work
@@ -235,6 +240,30 @@ def tile_scorer(fmt: PoolFormat, R: int, D: int, groups: int):
             return pair(four(codes, row, q_all, q_words, scales, zeros, at, stride),
                         four(codes, row + 4, q_all, q_words, scales, zeros, at + 4 * stride,
                              stride), 4)
+
+    if not WIDE_VECTORS and in_pairs(fmt, D, groups):  # AVX2: the tree over 8-lane segments
+        @njit(forceinline=True)
+        def two(codes, row, q_all, q_words, scales, zeros, at):
+            """Keys row and row + 1, 4 lanes each: a key pair's two halves summed in pairs."""
+            both = key(codes, row, q_all, q_words, scales, zeros, at)  # (R x 16) int32
+            return pair8(half(both, 0), half(both, 1), 8)  # (R x 8)
+
+        @njit(forceinline=True)
+        def eight8(codes, row, q_all, q_words, scales, zeros, at, stride):
+            """Keys row .. row + 7, one lane each: (R x 8), the tree's levels a register a
+            head each, where over 16-lane segments they take two and the tile spills."""
+            return pair8(pair8(two(codes, row, q_all, q_words, scales, zeros, at),
+                               two(codes, row + 2, q_all, q_words, scales, zeros, at), 4),
+                         pair8(two(codes, row + 4, q_all, q_words, scales, zeros, at),
+                               two(codes, row + 6, q_all, q_words, scales, zeros, at), 4), 2)
+
+        @njit(forceinline=True)
+        def tile_scores(codes, row, q_all, q_words, scales, zeros, at, stride):
+            """As below: keys row .. row + 7 and row + 8 .. row + 15 joined per head."""
+            return as_float(join(eight8(codes, row, q_all, q_words, scales, zeros, at, stride),
+                                 eight8(codes, row + 8, q_all, q_words, scales, zeros,
+                                        at + 8 * stride, stride)))
+        return tile_scores
 
     @njit(forceinline=True)
     def tile_scores(codes, row, q_all, q_words, scales, zeros, at, stride):
