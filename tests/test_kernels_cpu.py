@@ -444,6 +444,42 @@ def test_trees_over_16_and_8_lane_segments_sum_each_key(dtype):
         np.testing.assert_array_equal(got.astype(np.float64), want, err_msg=tree.__name__)
 
 
+
+def test_lane_max_rounding_and_int16_against_numpy():
+    """cpu_simd_ops' max (vmax, segment_max, segment_absmax: a compare and select that LLVM
+    lowers to one max instruction) and rint then to_int16 (the int16 query) against numpy,
+    ties and halves included: max(a, a) is a, rint rounds halves to even."""
+    from tinykv.kernels import cpu_numerics
+    from tinykv.kernels.cpu_simd import load, store, to_int16
+    from tinykv.kernels.cpu_simd_ops import rint, segment_absmax, segment_max, vmax
+
+    n, seg = 64, 32
+
+    @cpu_numerics.njit
+    def lanes(a, b, pair_max, seg_max, seg_absmax, rounded, words):
+        x, y = load(a, 0, n), load(b, 0, n)
+        store(pair_max, 0, vmax(x, y))
+        store(seg_max, 0, segment_max(x, seg))
+        store(seg_absmax, 0, segment_absmax(x, seg))
+        whole = rint(x)
+        store(rounded, 0, whole)
+        store(words, 0, to_int16(whole))
+
+    rng = np.random.default_rng(7)
+    a = (rng.integers(-60000, 60000, n) / 4).astype(np.float32)  # quarters: halves and ties
+    a[:8] = [2.5, -2.5, 3.5, -1.5, 0.5, -0.5, 32767.0, -32767.0]
+    b = np.where(rng.random(n) < 0.3, a, rng.normal(0, 5000, n)).astype(np.float32)
+    a[40] = -32766.5  # the second segment's largest |x|: a negative lane, and a half
+    outs = [np.empty(n, np.float32), np.empty(n // seg, np.float32),
+            np.empty(n // seg, np.float32), np.empty(n, np.float32), np.empty(n, np.int16)]
+    lanes(a, b, *outs)
+    pair_max, seg_max, seg_absmax, rounded, words = outs
+    np.testing.assert_array_equal(pair_max, np.maximum(a, b))
+    np.testing.assert_array_equal(seg_max, a.reshape(-1, seg).max(axis=1))
+    np.testing.assert_array_equal(seg_absmax, np.abs(a).reshape(-1, seg).max(axis=1))
+    np.testing.assert_array_equal(rounded, np.rint(a))
+    np.testing.assert_array_equal(words, np.rint(a).astype(np.int16))
+
 def test_chunk_lanes_fit_the_registers():
     """The value sums' chunk where vectors are 256 bits: a multiple of 16 dividing D, as wide as
     16 registers of 8 floats allow (R x C sums at most 96 lanes, their C lanes beside)."""

@@ -208,10 +208,13 @@ def splat_at(typingctx, arr, start, lanes):
 
 @intrinsic
 def to_int16(typingctx, v):
-    """Integer lanes -> int16: int8 sign-extended, uint8 zero-extended."""
+    """Lanes -> int16: int8 sign-extended, uint8 zero-extended, float32 (whole numbers within
+    int16's range) converted."""
     def codegen(context, builder, sig, args):
         def widen(p):
             t = ir.VectorType(ir.IntType(16), p.type.count)
+            if isinstance(sig.args[0].dtype, types.Float):
+                return builder.fptosi(p, t)
             return builder.sext(p, t) if sig.args[0].dtype.signed else builder.zext(p, t)
         return _map(builder, widen, args[0])
     return Vec(types.int16, v.lanes)(v), codegen

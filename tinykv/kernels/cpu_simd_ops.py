@@ -39,9 +39,9 @@ def _segment(v, seg, op: str):
     n = _literal(seg)
 
     def codegen(context, builder, sig, args):
-        def combine(a, b):
+        def combine(a, b):  # the max as vmax's
             return builder.fadd(a, b, flags=FLAGS) if op == "sum" else \
-                builder.select(builder.fcmp_ordered(">=", a, b), a, b)
+                builder.select(builder.fcmp_ordered(">", a, b), a, b)
         pieces = _pieces(builder, args[0])
         if op == "absmax":
             fabs = cgutils.get_or_insert_function(
@@ -216,16 +216,15 @@ def repeat(typingctx, v, times):
 
 
 @intrinsic
-def round_int16(typingctx, v):
-    """float32 lanes rounded to the nearest (even) int16."""
+def rint(typingctx, v):
+    """float32 lanes rounded to the nearest (even) whole number, still float32."""
     def codegen(context, builder, sig, args):
         def one(p):
             fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(p.type, [p.type]),
                                                 f"llvm.rint.v{p.type.count}f32")
-            return builder.fptosi(builder.call(fn, [p]),
-                                  ir.VectorType(ir.IntType(16), p.type.count))
+            return builder.call(fn, [p])
         return _map(builder, one, args[0])
-    return Vec(types.int16, v.lanes)(v), codegen
+    return v(v), codegen
 
 
 @intrinsic
@@ -238,7 +237,7 @@ def exp2(typingctx, v):
 
             def const(c):
                 return _splat_piece(builder, ir.FloatType()(c), n)
-            x = builder.select(builder.fcmp_ordered(">=", p, const(-126.0)), p, const(-126.0))
+            x = builder.select(builder.fcmp_ordered(">", p, const(-126.0)), p, const(-126.0))  # max
             rint = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32, [f32]),
                                                   f"llvm.rint.v{n}f32")
             k = builder.call(rint, [x])
@@ -269,9 +268,11 @@ def fma(typingctx, a, b, c):
 
 @intrinsic
 def vmax(typingctx, a, b):
-    """The larger of a and b, lane by lane (float32)."""
+    """The larger of a and b, lane by lane (float32). `a > b ? a : b` is what x86's max
+    instruction computes (b on a tie or a NaN); `>=` differs from it on a tie of +0 with -0,
+    so LLVM would compile it to a compare and a blend."""
     def codegen(context, builder, sig, args):
-        return _map(builder, lambda p, q: builder.select(builder.fcmp_ordered(">=", p, q), p, q),
+        return _map(builder, lambda p, q: builder.select(builder.fcmp_ordered(">", p, q), p, q),
                     args[0], args[1])
     return a(a, b), codegen
 
