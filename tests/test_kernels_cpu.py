@@ -444,7 +444,6 @@ def test_trees_over_16_and_8_lane_segments_sum_each_key(dtype):
         np.testing.assert_array_equal(got.astype(np.float64), want, err_msg=tree.__name__)
 
 
-
 def test_lane_max_rounding_and_int16_against_numpy():
     """cpu_simd_ops' max (vmax, segment_max, segment_absmax: a compare and select that LLVM
     lowers to one max instruction) and rint then to_int16 (the int16 query) against numpy,
@@ -479,6 +478,7 @@ def test_lane_max_rounding_and_int16_against_numpy():
     np.testing.assert_array_equal(seg_absmax, np.abs(a).reshape(-1, seg).max(axis=1))
     np.testing.assert_array_equal(rounded, np.rint(a))
     np.testing.assert_array_equal(words, np.rint(a).astype(np.int16))
+
 
 def test_chunk_lanes_fit_the_registers():
     """The value sums' chunk where vectors are 256 bits: a multiple of 16 dividing D, as wide as

@@ -23,6 +23,20 @@ from .cpu_simd import (
 )
 
 
+def _larger(builder, a, b):
+    """The larger of float vectors a and b per lane. `a > b ? a : b` is what x86's max
+    instruction computes (b on a tie or a NaN); `>=` differs from it on a tie of +0 with -0,
+    so LLVM would compile that to a compare and a blend."""
+    return builder.select(builder.fcmp_ordered(">", a, b), a, b)
+
+
+def _rint(builder, p):
+    """Float lanes rounded to the nearest (even) whole number."""
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(p.type, [p.type]),
+                                        f"llvm.rint.v{p.type.count}f32")
+    return builder.call(fn, [p])
+
+
 @intrinsic(prefer_literal=True)
 def spread(typingctx, v, each):
     """Every lane of v repeated `each` times (one value per head over the head's segment)."""
@@ -39,9 +53,8 @@ def _segment(v, seg, op: str):
     n = _literal(seg)
 
     def codegen(context, builder, sig, args):
-        def combine(a, b):  # the max as vmax's
-            return builder.fadd(a, b, flags=FLAGS) if op == "sum" else \
-                builder.select(builder.fcmp_ordered(">", a, b), a, b)
+        def combine(a, b):
+            return builder.fadd(a, b, flags=FLAGS) if op == "sum" else _larger(builder, a, b)
         pieces = _pieces(builder, args[0])
         if op == "absmax":
             fabs = cgutils.get_or_insert_function(
@@ -219,11 +232,7 @@ def repeat(typingctx, v, times):
 def rint(typingctx, v):
     """float32 lanes rounded to the nearest (even) whole number, still float32."""
     def codegen(context, builder, sig, args):
-        def one(p):
-            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(p.type, [p.type]),
-                                                f"llvm.rint.v{p.type.count}f32")
-            return builder.call(fn, [p])
-        return _map(builder, one, args[0])
+        return _map(builder, lambda p: _rint(builder, p), args[0])
     return v(v), codegen
 
 
@@ -237,10 +246,8 @@ def exp2(typingctx, v):
 
             def const(c):
                 return _splat_piece(builder, ir.FloatType()(c), n)
-            x = builder.select(builder.fcmp_ordered(">", p, const(-126.0)), p, const(-126.0))  # max
-            rint = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32, [f32]),
-                                                  f"llvm.rint.v{n}f32")
-            k = builder.call(rint, [x])
+            x = _larger(builder, p, const(-126.0))
+            k = _rint(builder, x)
             f = builder.fmul(builder.fsub(x, k), const(0.6931471805599453))
             e = const(1 / 5040)
             for c in (1 / 720, 1 / 120, 1 / 24, 1 / 6, 1 / 2, 1.0, 1.0):
@@ -268,12 +275,9 @@ def fma(typingctx, a, b, c):
 
 @intrinsic
 def vmax(typingctx, a, b):
-    """The larger of a and b, lane by lane (float32). `a > b ? a : b` is what x86's max
-    instruction computes (b on a tie or a NaN); `>=` differs from it on a tie of +0 with -0,
-    so LLVM would compile it to a compare and a blend."""
+    """The larger of a and b, lane by lane (float32), as _larger."""
     def codegen(context, builder, sig, args):
-        return _map(builder, lambda p, q: builder.select(builder.fcmp_ordered(">", p, q), p, q),
-                    args[0], args[1])
+        return _map(builder, lambda p, q: _larger(builder, p, q), args[0], args[1])
     return a(a, b), codegen
 
 
