@@ -404,6 +404,47 @@ def test_plane_lanes_reads_any_chunk_of_a_packed_row(bits, D):
         assert torch.equal(torch.from_numpy(got), want[first:first + lanes]), (first, lanes)
 
 
+@pytest.mark.parametrize("bits,D", [(4, 64), (4, 128), (2, 128)])
+def test_dword_fields_read_any_chunk_of_a_packed_row(bits, D):
+    """cpu_vector_rows.dword_fields, which int4 and int2 value sums read a chunk of a packed row
+    with where they go by chunk: lane 8 j + i of a 32-byte chunk is field j of its little-endian
+    32-bit word i (byte 4 i + j // per_byte, field j % per_byte of that byte), against the
+    channels quant.unpack gives; and to_channel_order puts DWORDS lanes back in channel order."""
+    from tinykv.kernels import cpu_numerics
+    from tinykv.kernels.cpu_simd import load, store, to_float
+    from tinykv.kernels.cpu_simd_ops import DWORDS, to_channel_order
+    from tinykv.kernels.cpu_vector_rows import dword_fields
+
+    per_byte, fields = 8 // bits, 32 // bits
+    width = D // per_byte  # bytes a row
+    gen = torch.Generator().manual_seed(bits + D + 1)
+    codes = torch.randint(0, 2**bits, (3, D), generator=gen, dtype=torch.uint8)  # 3 rows
+    stored = quant.pack(codes, per_byte)  # (3, width)
+    lane = torch.arange(D)
+    chunk, field, word = lane // (8 * fields), lane % (8 * fields) // 8, lane % 8
+    byte = 32 * chunk + 4 * word + field // per_byte
+    want = quant.unpack(stored, per_byte)[1, per_byte * byte + field % per_byte].float()
+
+    def reader(first, lanes):
+        @cpu_numerics.njit
+        def read(src, row, out):
+            store(out, 0, to_float(dword_fields(src, row * width, first, lanes, bits)))
+        return read
+
+    flat = np.ascontiguousarray(stored.numpy().reshape(-1))
+    for first, lanes in [(c, 16) for c in range(0, D, 16)] + [(0, D)]:
+        got = np.empty(lanes, np.float32)
+        reader(first, lanes)(flat, 1, got)
+        assert torch.equal(torch.from_numpy(got), want[first:first + lanes]), (first, lanes)
+
+    @cpu_numerics.njit
+    def back(src, out):
+        store(out, 0, to_channel_order(load(src, 0, D), per_byte, D, DWORDS))
+    in_order = np.empty(D, np.float32)
+    back(np.ascontiguousarray(want.numpy()), in_order)
+    assert torch.equal(torch.from_numpy(in_order), codes[1].float())
+
+
 @pytest.mark.parametrize("dtype", [np.int32, np.float32])
 def test_trees_over_16_and_8_lane_segments_sum_each_key(dtype):
     """cpu_simd_tree: 16 keys' partial sums (16 lanes for each of 3 heads) through the tree over

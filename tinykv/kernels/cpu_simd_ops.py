@@ -103,7 +103,10 @@ def segment_sum(typingctx, v, seg):
 # Orders of a row's channels as the kernel reads packed codes. BYTES: plane j of byte i is channel
 # planes * i + j, planes side by side. WORDS (keys read in pairs, cpu_simd.word_planes): per
 # 32-byte chunk c, field j of 16-bit word i is channel (16 c + i) * fields + j, fields = 2 planes.
-BYTES, WORDS = 0, 1
+# DWORDS (value codes narrower than a byte, cpu_simd.dword_fields): per 32-byte chunk c, field j
+# of 32-bit word i is channel (8 c + i) * fields + j, fields = 4 planes: a field of all 8 words
+# is one shift and one mask, no widening.
+BYTES, WORDS, DWORDS = 0, 1, 2
 
 
 def _lane_channels(planes: int, D: int, order: int) -> list[int]:
@@ -111,6 +114,10 @@ def _lane_channels(planes: int, D: int, order: int) -> list[int]:
     if order == BYTES:
         n = D // planes
         return [planes * i + j for j in range(planes) for i in range(n)]
+    if order == DWORDS:
+        fields = 4 * planes
+        return [(8 * c + i) * fields + j for c in range(D // (8 * fields)) for j in range(fields)
+                for i in range(8)]
     fields = 2 * planes
     return [(16 * c + i) * fields + j for c in range(D // (16 * fields)) for j in range(fields)
             for i in range(16)]
@@ -173,16 +180,16 @@ def head_dots(typingctx, x, q_all, heads):
 
 
 @intrinsic(prefer_literal=True)
-def to_channel_order(typingctx, v, planes, channels):
-    """The inverse of to_stored_order(v, planes, channels, BYTES)."""
-    pb, D = _literal(planes), _literal(channels)
+def to_channel_order(typingctx, v, planes, channels, order):
+    """The inverse of to_stored_order(v, planes, channels, order)."""
+    pb, D, how = _literal(planes), _literal(channels), _literal(order)
 
     def codegen(context, builder, sig, args):
         heads = sig.args[0].lanes // D
-        lane_of = {c: i for i, c in enumerate(_lane_channels(pb, D, BYTES))}
+        lane_of = {c: i for i, c in enumerate(_lane_channels(pb, D, how))}
         return _pick(builder, [args[0]], [(0, r * D + lane_of[c]) for r in range(heads)
                                           for c in range(D)], heads * D)
-    return v(v, planes, channels), codegen
+    return v(v, planes, channels, order), codegen
 
 
 @intrinsic(prefer_literal=True)

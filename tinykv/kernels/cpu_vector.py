@@ -70,7 +70,7 @@ from .cpu_vector_rows import (
     scale_loader,
     tile_scorer,
 )
-from .cpu_vector_values import TILE, chunk_lanes, value_summer, values_by_chunk, weights_by_group
+from .cpu_vector_values import TILE, value_summer, values_by_chunk, weights_by_group
 
 Q16_MAX = np.float32(32767.0)  # the int16 query's largest code (as cpu_plain)
 # How far a score may pass the running maximum m before the sums are rescaled to a new one:
@@ -154,9 +154,8 @@ def vector_kernel(kf: PoolFormat, vf: PoolFormat, R: int, D: int, k_groups: int,
     # end, the sums in head order, a block's value scales and zero points (2 x D)
     SUMS, ROWS = RG16, RG16 + RD
     SCALES = ROWS + max(TILE, R) * D
-    add_tile, block_scales, rescale, head_sums = value_summer(
-        vf, R, D, v_groups, chunk_lanes(R, D) if by_chunk else D, SUMS, ROWS, SCALES,
-        prefetch_rows)
+    add_tile, block_scales, rescale, head_sums, v_order = value_summer(
+        vf, R, D, v_groups, by_chunk, SUMS, ROWS, SCALES, prefetch_rows)
 
     @njit(forceinline=True)
     def fold(q_base, k_scales, k_zeros, at, q_words, q_at):
@@ -309,7 +308,7 @@ def vector_kernel(kf: PoolFormat, vf: PoolFormat, R: int, D: int, k_groups: int,
         store(buf, 0, segment_sum(z16_acc, TILE))  # (R x G): p scale zero summed
         out = (head_sums(buf) - spread_loads(buf, 0, 1, R, v_planes, w_gs, D, 0, D)) * \
             spread(np.float32(1.0) / l, D)
-        store(o, o_at, where_positive(spread(l, D), to_channel_order(out, v_planes, D),
+        store(o, o_at, where_positive(spread(l, D), to_channel_order(out, v_planes, D, v_order),
                                       splat(0.0, RD)))
         store(lse, lse_at, where_positive(l, (m + log2(l)) * LN2, splat(-np.inf, R)))
 

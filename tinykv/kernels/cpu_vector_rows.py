@@ -24,11 +24,15 @@ from .cpu_args import TOKEN_SCALES, PoolFormat
 from .cpu_numerics import BFLOAT, FLOAT32, FP8, HALF, INTEGER, intrinsic, ir, njit, types
 from .cpu_simd import (
     HAS_F16C,
+    PIECE,
     WIDE_VECTORS,
     Vec,
+    _data,
     _literal,
     _map,
+    _mask,
     _splat_piece,
+    _whole,
     load,
     plane_lanes,
     prefetch_lines,
@@ -36,7 +40,7 @@ from .cpu_simd import (
     to_int16,
     word_planes,
 )
-from .cpu_simd_ops import head_dots, repeat, spread
+from .cpu_simd_ops import BYTES, DWORDS, head_dots, repeat, spread
 from .cpu_simd_tree import half, join, pair, pair8
 
 # Prefetched into L2, not L1 (prefetcht1, not t0), and a row's lines per key read, not a whole
@@ -90,6 +94,36 @@ def widen_float(typingctx, v, code):
                                   finite)
         return _map(builder, convert, args[0])
     return Vec(types.float32, v.lanes)(v, code), codegen
+
+
+@intrinsic(prefer_literal=True)
+def dword_fields(typingctx, arr, start, first, lanes, bits):
+    """Lanes first .. first+lanes-1 of a row of packed codes (uint8 from flat element start), in
+    cpu_simd_ops.DWORDS order, as int32: per 32-byte chunk, field j (`bits` wide, the low first)
+    of its eight 32-bit words is 8 lanes; a 16-lane piece is fields j and j + 1 of one chunk: a
+    shift and a mask each, where plane_lanes widens bytes to words (shuffles)."""
+    f, n, b = _literal(first), _literal(lanes), _literal(bits)
+    fields = 32 // b
+    assert f % PIECE == 0 and n % PIECE == 0
+
+    def codegen(context, builder, sig, args):
+        data = _data(context, builder, sig.args[0], args[0])
+        words = ir.VectorType(ir.IntType(32), 8)
+        out = []
+        for lane in range(f, f + n, PIECE):
+            chunk, field = divmod(lane, 8 * fields)
+            field //= 8
+            at = builder.gep(data, [builder.add(args[1], ir.IntType(64)(32 * chunk))])
+            w = builder.load(builder.bitcast(at, words.as_pointer()), align=1)
+            halves = []
+            for j in (field, field + 1):
+                x = builder.lshr(w, _splat_piece(builder, ir.IntType(32)(j * b), 8)) if j else w
+                if (j + 1) * b < 32:
+                    x = builder.and_(x, _splat_piece(builder, ir.IntType(32)((1 << b) - 1), 8))
+                halves.append(x)
+            out.append(builder.shuffle_vector(halves[0], halves[1], _mask(list(range(PIECE)))))
+        return _whole(builder, out)
+    return Vec(types.int32, n)(arr, start, first, lanes, bits), codegen
 
 
 def planes(fmt: PoolFormat) -> int:
@@ -163,11 +197,15 @@ def _key_reader(fmt: PoolFormat, R: int, D: int, groups: int):
     return key
 
 
-def float_codes(fmt: PoolFormat, D: int, first: int = 0, lanes: int = 0):
+def float_codes(fmt: PoolFormat, D: int, first: int = 0, lanes: int = 0, order: int = BYTES):
     """codes_of(codes, row): lanes first .. first+lanes-1 (all D where lanes is 0) of a row's
-    codes (fp16: values) as float32 lanes in stored order."""
+    codes (fp16: values) as float32 lanes in stored order (packed codes: BYTES or DWORDS)."""
     width, bits, lanes = D // planes(fmt), fmt.bits, lanes or D
-    if fmt.code in FLOAT_CODES:
+    if order == DWORDS:
+        @njit(forceinline=True)
+        def codes_of(codes, row):
+            return to_float(dword_fields(codes, row * width, first, lanes, bits))
+    elif fmt.code in FLOAT_CODES:
         code = fmt.code
 
         @njit(forceinline=True)

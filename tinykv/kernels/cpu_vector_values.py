@@ -8,6 +8,11 @@ all R x D sums (AVX-512, up to SUMS_IN_REGISTERS); narrower where they do not (A
 registers of 8 floats), so that no value row is written out as floats and read back once per
 head.
 
+Codes narrower than a byte with one scale a token are read, where the sums go by chunk, in
+cpu_simd_ops.DWORDS order (`value_order`): a chunk's 16 lanes are two fields of a row's eight
+32-bit words, a shift and a mask each, where BYTES order widens each byte to a word and each word
+to 32 bits. The sums keep that order to the end of a work item, as they keep BYTES.
+
 The sums live in `buf` chunk by chunk (R x C lanes each), not head by head; `head_sums` puts
 them back in (R x D) order at the end of a work item.
 """
@@ -17,9 +22,9 @@ from __future__ import annotations
 import numpy as np
 
 from .cpu_args import SHARED_SCALES, TOKEN_SCALES, PoolFormat
-from .cpu_numerics import njit
+from .cpu_numerics import INTEGER, njit
 from .cpu_simd import WIDE_VECTORS, load, splat, store
-from .cpu_simd_ops import BYTES, repeat, spread, spread_loads, stored_order
+from .cpu_simd_ops import BYTES, DWORDS, repeat, spread, spread_loads, stored_order
 from .cpu_vector_rows import SCALED, float_codes, group_dequantizer, planes, scale_loader
 
 TILE = 16  # keys scored together (cpu_vector): one lane each in the score vector of a head
@@ -55,12 +60,24 @@ def weights_by_group(fmt: PoolFormat, D: int, groups: int) -> bool:
         and D // groups % (16 * planes(fmt)) == 0
 
 
-def value_summer(fmt: PoolFormat, R: int, D: int, groups: int, C: int, sums_at: int,
+def value_order(fmt: PoolFormat, D: int, groups: int, by_chunk: bool) -> int:
+    """The order of a value row's lanes in the sums: DWORDS for codes narrower than a byte with
+    one scale a token (the weights take it) where the sums go a chunk at a time, else BYTES.
+    DWORDS reads a field of eight 32-bit words with a shift and a mask, where BYTES widens
+    bytes to words and words to 32 bits (shuffles: on Zen 3 they, not the multiply-adds, set the
+    value loop's pace, the README's AVX2 section)."""
+    narrow = fmt.code == INTEGER and fmt.bits < 8 and D % (32 * planes(fmt)) == 0
+    one_scale = fmt.scales == TOKEN_SCALES and groups == 1
+    return DWORDS if narrow and one_scale and by_chunk else BYTES
+
+
+def value_summer(fmt: PoolFormat, R: int, D: int, groups: int, by_chunk: bool, sums_at: int,
                  rows_at: int, scales_at: int, prefetch_rows):
-    """(add_tile, block_scales, rescale, head_sums) for value pools of this format, R heads, D
-    channels, C channels a chunk; buf holds the sums (R x D) from sums_at, a tile's dequantized
-    rows (16 x D, where scales go per group but not into the weights) from rows_at, and a
-    block's shared scales and zero points (2 x D) from scales_at."""
+    """(add_tile, block_scales, rescale, head_sums, order) for value pools of this format, R
+    heads, D channels, a chunk of channels at a time or not (by_chunk); the sums' lanes in that
+    order (cpu_simd_ops: BYTES or DWORDS) until head_sums; buf holds the sums (R x D) from
+    sums_at, a tile's dequantized rows (16 x D, where scales go per group but not into the
+    weights) from rows_at, and a block's shared scales and zero points (2 x D) from scales_at."""
     token_weights = weights_by_group(fmt, D, groups)
     G = groups if token_weights else 1  # weights per head and key
     w_gs, v_planes = D // G, planes(fmt)  # channels a weight covers
@@ -69,6 +86,7 @@ def value_summer(fmt: PoolFormat, R: int, D: int, groups: int, C: int, sums_at: 
     has_zero, offset = fmt.has_zero, np.float32(fmt.offset)
     load_scales, gs = scale_loader(fmt.scale_code), D // groups
     row_codes, dequantize = float_codes(fmt, D), group_dequantizer(fmt, D, groups)
+    C, order = chunk_lanes(R, D) if by_chunk else D, value_order(fmt, D, groups, by_chunk)
     RD, RC, n_chunks = R * D, R * C, D // C  # lanes: all sums, a chunk's sums; chunks a row
 
     def chunk_reader(c: int):
@@ -79,7 +97,7 @@ def value_summer(fmt: PoolFormat, R: int, D: int, groups: int, C: int, sums_at: 
             def read(codes, row, buf, t):
                 return load(buf, rows_at + t * D + c, C)
             return read
-        codes_of = float_codes(fmt, D, c, C)
+        codes_of = float_codes(fmt, D, c, C, order)
 
         @njit(forceinline=True)
         def read(codes, row, buf, t):
@@ -155,4 +173,4 @@ def value_summer(fmt: PoolFormat, R: int, D: int, groups: int, C: int, sums_at: 
                 store(buf, rows_at + r * D + c, load(buf, sums_at + c * R + r * C, C))
         return load(buf, rows_at, RD)
 
-    return add_tile, block_scales, rescale, head_sums
+    return add_tile, block_scales, rescale, head_sums, order
