@@ -58,6 +58,9 @@ MORE_CASES = [
     # float32 pools (hot pools and skipped layers of a float32 model), beside quantized ones
     ("fp32", "int4:g32:asym", 3, 64, 16),
     ("int8", "fp32", 2, 96, 32),
+    # int4 and int2 values with a scale a token read as fields of 32-bit words (DWORDS) by chunk
+    ("int8", "int4:asym", 3, 128, 16),
+    ("int4", "int2", 2, 128, 32),
     ("fp32", "fp32", 4, 128, 16),
     # more query heads a KV head than the vector kernel's 512 lanes: passes over its blocks
     ("int8", "fp16", 7, 128, 16),  # heads 0-3, then 3-6
