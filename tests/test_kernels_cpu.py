@@ -378,6 +378,16 @@ def test_widen_float_is_torch_for_every_bit_pattern(name, dtype):
     torch.testing.assert_close(torch.from_numpy(got), want, rtol=0, atol=0, equal_nan=True)
 
 
+def reads_every_chunk(reader, stored: torch.Tensor, want: torch.Tensor):
+    """reader(first, lanes) -> read(flat codes, row, out): row 1 of the packed rows `stored`,
+    each 16-lane chunk and the whole row, equals want (D,) lane for lane."""
+    flat, D = np.ascontiguousarray(stored.numpy().reshape(-1)), want.shape[0]
+    for first, lanes in [(c, 16) for c in range(0, D, 16)] + [(0, D)]:
+        got = np.empty(lanes, np.float32)
+        reader(first, lanes)(flat, 1, got)
+        assert torch.equal(torch.from_numpy(got), want[first:first + lanes]), (first, lanes)
+
+
 @pytest.mark.parametrize("bits,D", [(4, 64), (2, 64), (4, 128)])
 def test_plane_lanes_reads_any_chunk_of_a_packed_row(bits, D):
     """cpu_simd.plane_lanes, which the value sums read a chunk of a packed row with: each 16-lane
@@ -400,11 +410,7 @@ def test_plane_lanes_reads_any_chunk_of_a_packed_row(bits, D):
             store(out, 0, to_float(plane_lanes(src, row * width, first, lanes, bits, width)))
         return read
 
-    flat = np.ascontiguousarray(stored.numpy().reshape(-1))
-    for first, lanes in [(c, 16) for c in range(0, D, 16)] + [(0, D)]:
-        got = np.empty(lanes, np.float32)
-        reader(first, lanes)(flat, 1, got)
-        assert torch.equal(torch.from_numpy(got), want[first:first + lanes]), (first, lanes)
+    reads_every_chunk(reader, stored, want)
 
 
 @pytest.mark.parametrize("bits,D", [(4, 64), (4, 128), (2, 128)])
@@ -434,11 +440,7 @@ def test_dword_fields_read_any_chunk_of_a_packed_row(bits, D):
             store(out, 0, to_float(dword_fields(src, row * width, first, lanes, bits)))
         return read
 
-    flat = np.ascontiguousarray(stored.numpy().reshape(-1))
-    for first, lanes in [(c, 16) for c in range(0, D, 16)] + [(0, D)]:
-        got = np.empty(lanes, np.float32)
-        reader(first, lanes)(flat, 1, got)
-        assert torch.equal(torch.from_numpy(got), want[first:first + lanes]), (first, lanes)
+    reads_every_chunk(reader, stored, want)
 
     @cpu_numerics.njit
     def back(src, out):
