@@ -103,9 +103,9 @@ def segment_sum(typingctx, v, seg):
 # Orders of a row's channels as the kernel reads packed codes. BYTES: plane j of byte i is channel
 # planes * i + j, planes side by side. WORDS (keys read in pairs, cpu_simd.word_planes): per
 # 32-byte chunk c, field j of 16-bit word i is channel (16 c + i) * fields + j, fields = 2 planes.
-# DWORDS (value codes narrower than a byte, cpu_simd.dword_fields): per 32-byte chunk c, field j
-# of 32-bit word i is channel (8 c + i) * fields + j, fields = 4 planes: a field of all 8 words
-# is one shift and one mask, no widening.
+# DWORDS (value codes narrower than a byte, cpu_vector_rows.dword_fields): per 32-byte chunk c,
+# field j of 32-bit word i is channel (8 c + i) * fields + j, fields = 4 planes: a field of all
+# 8 words is one shift and one mask, no widening.
 BYTES, WORDS, DWORDS = 0, 1, 2
 
 
