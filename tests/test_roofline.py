@@ -257,8 +257,9 @@ def test_kernel_bench_pools_of_one_block():
 
 
 def test_touch_reads_every_word_of_the_visible_blocks_with_or_without_requests():
-    """The touch's two reads (plain, and each block requested ahead) fold the same words: those
-    of every block a row's context reaches, K, V and scales, and no other block's."""
+    """The touch's two reads (plain, and each block requested ahead), on any number of workers,
+    fold the same words: those of every block a row's context reaches, K, V and scales, and no
+    other block's."""
     import numpy as np
 
     from tinykv.bench import touch
@@ -274,8 +275,9 @@ def test_touch_reads_every_word_of_the_visible_blocks_with_or_without_requests()
                 if words.shape[1]:
                     want ^= np.bitwise_xor.reduce(words[blk])
     for ahead in (0, 1, 4, 9):
-        got = touch._touch(table, lens, 16, ahead, *layer.words)
-        assert got == want, ahead
+        for workers in (1, 2, 3, 7):  # runs of 0-3 blocks a row each
+            got = touch._touch(table, lens, 16, ahead, workers, *layer.words)
+            assert got == want, (ahead, workers)
     skipped = table[1, 3]  # a block past row 1's context: folding it in changes the answer
     assert np.bitwise_xor.reduce(layer.words[0][skipped]) != 0
 

@@ -8,7 +8,8 @@ shape (3 KV heads of 3 query heads, head_dim 64, blocks of 16, in shuffled physi
   kernel's math alone, without waiting on DRAM;
 - touch: the same call's K/V bytes and scales read in block-table order, with no math: the read
   ceiling of that exact layout and block order (touch.py: the faster of plain loads and loads
-  with each block requested ahead). attention / touch is "x touch".
+  with each block requested ahead), on as many threads as the call, each reading its share of
+  every row's blocks. attention / touch is "x touch".
 - % bandwidth: the call's bytes over its time, against the machine's read bandwidth (a pass over
   a large array, by as many threads at once as the call runs on: ceilings.reads_in_turn);
 - cycles per key and KV head, at the clock measured here (a chain of dependent 1-cycle ops), and
@@ -77,8 +78,8 @@ def decode_queries(batch: int, context: int) -> tuple:
 
 def measure_shape(specs: list[str], batch: int, context: int, reps: int, budget: int,
                   threads: tuple[int, ...] | list[int] = (1,)) -> dict:
-    """(spec, thread count) -> median per-call seconds of attention, and of the (one-thread)
-    touch, the faster of its two reads (both kept): every spec, read and thread count in turn
+    """(spec, thread count) -> median per-call seconds of attention, and of the touch on as many
+    threads, the faster of its two reads (both kept): every spec, read and thread count in turn
     within each rep, so that a slow moment of a shared machine falls on all of them alike and
     their ratios hold."""
     from ..kernels.cpu import CpuKernels
@@ -93,32 +94,32 @@ def measure_shape(specs: list[str], batch: int, context: int, reps: int, budget:
         for x in layers[spec]:
             kernels[spec].attend(q, q_seq, q_pos, x.k, x.v, x.table, ctx_lens, D**-0.5)
 
-    def touch(spec: str, ahead: int) -> None:
+    def touch(spec: str, ahead: int, workers: int) -> None:
         for x in layers[spec]:
-            x.touch(lens, ahead)
+            x.touch(lens, ahead, workers)
 
     reads = {"touch_plain": 0, "touch_ahead": TOUCH_AHEAD}
-    times = {(s, what): [] for s in specs for what in (*reads, *threads)}
+    times = {(s, what, n): [] for s in specs for what in ("attend", *reads) for n in threads}
     for n in threads:  # compile, start the threads, fault the pages in
         set_threads(n)
         for s in specs:
             attend(s)
-            touch(s, 0)
-            touch(s, TOUCH_AHEAD)
+            touch(s, 0, n)
+            touch(s, TOUCH_AHEAD, n)
     for _ in range(reps):
         for s in specs:
-            for read, ahead in reads.items():
-                times[s, read].append(timed(touch, s, ahead) / len(layers[s]))
             for n in threads:
                 set_threads(n)
-                times[s, n].append(timed(attend, s) / len(layers[s]))
+                for read, ahead in reads.items():
+                    times[s, read, n].append(timed(touch, s, ahead, n) / len(layers[s]))
+                times[s, "attend", n].append(timed(attend, s) / len(layers[s]))
     out = {}
     for s in specs:
-        touches = {f"{read}_s": statistics.median(times[s, read]) for read in reads}
         for n in threads:
-            out[s, n] = {"attend_s": statistics.median(times[s, n]), "reps_s": times[s, n],
-                         "touch_s": min(touches.values()), **touches,
-                         "bytes": layers[s][0].nbytes, "layers": len(layers[s])}
+            touches = {f"{read}_s": statistics.median(times[s, read, n]) for read in reads}
+            out[s, n] = {"attend_s": statistics.median(times[s, "attend", n]),
+                         "reps_s": times[s, "attend", n], "touch_s": min(touches.values()),
+                         **touches, "bytes": layers[s][0].nbytes, "layers": len(layers[s])}
     return out
 
 

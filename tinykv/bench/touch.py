@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..kernels.cpu_numerics import njit
+from ..kernels.cpu_numerics import njit, prange
 from ..kernels.cpu_simd import prefetch_lines
 from ..kernels.layout import PoolLayer
 from ..quant import compute_scales, quantize
@@ -47,17 +47,34 @@ TOUCH_AHEAD = 4
 TO_L2 = 2  # prefetch_lines' level: into L2, as the kernel's requests
 
 
+@njit(cache=True, parallel=True)
+def _touch(table, ctx_lens, block_size, ahead, workers, kw, vw, ksw, kzw, vsw, vzw):
+    """Read every block a row holds (K, V and their scales), in block-table order, on `workers`
+    threads: worker w reads the w-th of `workers` equal runs of each row's blocks, as the kernel
+    splits a long sequence; with ahead > 0, each worker first requests the lines of the block
+    that many places later in its run."""
+    folds = np.zeros(workers, np.uint64)
+    for w in prange(workers):
+        folds[w] = _touch_run(table, ctx_lens, block_size, ahead, w, workers,
+                              kw, vw, ksw, kzw, vsw, vzw)
+    acc = np.uint64(0)
+    for w in range(workers):
+        acc ^= folds[w]
+    return acc
+
+
 @njit(cache=True)
-def _touch(table, ctx_lens, block_size, ahead, kw, vw, ksw, kzw, vsw, vzw):
-    """Read every block a row holds (K, V and their scales), in block-table order; with ahead >
-    0, first request the lines of the block that many places later in the row."""
+def _touch_run(table, ctx_lens, block_size, ahead, w, workers, kw, vw, ksw, kzw, vsw, vzw):
+    """Worker w's run of every row's blocks, read (and requested ahead) as _touch says."""
     acc = np.uint64(0)
     for b in range(table.shape[0]):
         n_blocks = (ctx_lens[b] + block_size - 1) // block_size
-        for j in range(min(ahead, n_blocks)):  # the first blocks, before the loop asks
+        first = n_blocks * w // workers
+        end = n_blocks * (w + 1) // workers
+        for j in range(first, min(first + ahead, end)):  # the first blocks, before the loop asks
             _request(table[b, j], kw, vw, ksw, kzw, vsw, vzw)
-        for j in range(n_blocks):
-            if ahead > 0 and j + ahead < n_blocks:
+        for j in range(first, end):
+            if ahead > 0 and j + ahead < end:
                 _request(table[b, j + ahead], kw, vw, ksw, kzw, vsw, vzw)
             blk = table[b, j]
             for words in (kw, vw, ksw, kzw, vsw, vzw):
@@ -89,9 +106,10 @@ class Layer:
             self.k.data, self.v.data, self.k.scale, self.k.zero, self.v.scale, self.v.zero)]
         self.nbytes = sum(w.nbytes for w in self.words)
 
-    def touch(self, ctx_lens: np.ndarray, ahead: int = 0) -> None:
-        """The pool's blocks read, plain (ahead 0) or each requested `ahead` blocks before."""
-        _touch(self.table.numpy(), ctx_lens, SHAPE["block_size"], ahead, *self.words)
+    def touch(self, ctx_lens: np.ndarray, ahead: int = 0, workers: int = 1) -> None:
+        """The pool's blocks read, plain (ahead 0) or each requested `ahead` blocks before, on
+        `workers` threads (numba's, as set_threads sets them)."""
+        _touch(self.table.numpy(), ctx_lens, SHAPE["block_size"], ahead, workers, *self.words)
 
 
 def pseudo_layers(spec: KVSpec, batch: int, context: int, budget: int) -> list[Layer]:
