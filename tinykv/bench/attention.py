@@ -350,7 +350,9 @@ def chart(results: dict, path: Path) -> str | None:
         series.append((name, [r and r["ms"] for r in got], [r and r["touch_ms"] for r in got]))
     names = [f"{b} x {c}, {n} thread(s)" for n, b, c in groups]
     return grouped_bars(path, names, series, "ms per layer call",
-                        "CPU attention, one layer call; black tick: the touch of its layout")
+                        "CPU attention, one layer call; black tick: the touch of its layout",
+                        "touch: the call's K/V bytes read in its block order, on as many "
+                        "threads, no math")
 
 
 def budget_bytes(quick: bool) -> int:

@@ -62,10 +62,14 @@ def _panels(plt, n: int, title: str):
     return fig, list(axes.flat[:n])
 
 
+ROOF_LABEL = "roofline: the bar's bytes at the read bandwidth"
+
+
 def grouped_bars(path: Path, groups: list[str], series: list[tuple[str, list, list]],
-                 ylabel: str, title: str) -> str | None:
-    """A panel per group; in each, a bar per series (name, values, rooflines), a value of None
-    drawn as 'not measured'. Returns the PNG's path, None without matplotlib."""
+                 ylabel: str, title: str, roof_label: str = ROOF_LABEL) -> str | None:
+    """A panel per group; in each, a bar per series (name, values, rooflines: black ticks that
+    the legend calls roof_label), a value of None drawn as 'not measured'. Returns the PNG's
+    path, None without matplotlib."""
     plt = _pyplot()
     if plt is None:
         return None
@@ -93,8 +97,7 @@ def grouped_bars(path: Path, groups: list[str], series: list[tuple[str, list, li
         ax.grid(axis="y", alpha=0.3)
     axes[0].set_ylabel(ylabel)
     if any(roof for _, _, roofs in series for roof in roofs):
-        axes[0].plot([], [], color="black", lw=1.5,
-                     label="roofline: the bar's bytes at the read bandwidth")
+        axes[0].plot([], [], color="black", lw=1.5, label=roof_label)
         fig.legend(loc="lower center", fontsize=7, frameon=False)
     fig.tight_layout(rect=(0, 0.04, 1, 1))
     save_figure(fig, path, make_folders=True, dpi=110)
