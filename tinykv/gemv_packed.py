@@ -15,12 +15,12 @@ decodes half as often but needs a broadcast load per multiply-add, and twice as 
 (2 to 4 rows), 1 by 4 (one row: 4 panels keep 4 independent sums in flight). Rows past the last
 repeat it, panels past the last repeat it; neither is written. AVX2's 16 registers of 8 lanes
 hold only a quarter of that: there a panel goes by halves, 8 of its rows by 8 activation rows (8
-sums, each pair's weights decoded once for 8 rows), and 2 to 4 rows a whole panel by 4 rows (over
-the default model's packed matrices on a Zen 3: 0.63x the time of the shapes above at 2 to 4
-rows, 0.70x at 8 to 32). Each call covers UNIT panels, the unit threads split; while it
-multiplies a block of 32 channels, the same block of the panels after it is prefetched into L2,
-so their reads overlap this arithmetic instead of following it (the README's speed section: the
-GEMV alone).
+sums, each pair's weights decoded once for 8 rows), 2 to 4 rows a whole panel by 4 rows, and one
+row a panel at a time (over the default model's packed matrices on a Zen 3: 0.63x the time of
+the shapes above at 2 to 4 rows, 0.70x at 8 to 32, 0.57-0.79x at one row). Each call covers
+UNIT panels, the unit threads split; while it multiplies a block of 32 channels, the same block
+of the panels after it is prefetched into L2, so their reads overlap this arithmetic instead of
+following it (the README's speed section: the GEMV alone).
 """
 
 from __future__ import annotations
@@ -217,6 +217,21 @@ def _rows4_panels4(x, w, panels, starts):
     return (a00, a01, a02, a03, a10, a11, a12, a13, a20, a21, a22, a23, a30, a31, a32, a33)
 
 
+def _row1_panel1(x, w, p, start):
+    """Sums of one activation row (flat start) by panel p, where vectors are 256 bits: the even
+    and the odd channels in sums of their own, so four chains of multiply-adds overlap, and the
+    sums, a pair's weights and d, m fit the 16 registers (4 panels at once spill them)."""
+    even = odd = splat(0.0, PANEL)
+    for group in range(w.scales.shape[1]):
+        _prefetch_group(w, p + UNIT, group)
+        for pair in range(PAIRS):
+            ws = _weights(w, p, group, pair)
+            at = start + 2 * (group * PAIRS + pair)
+            even = fma(splat_at(x, at, PANEL), ws[0], even)
+            odd = fma(splat_at(x, at + 1, PANEL), ws[1], odd)
+    return (even + odd,)
+
+
 def _row1_panels4(x, w, panels, start):
     """Sums of one activation row (flat start) by 4 panels."""
     a0 = a1 = a2 = a3 = splat(0.0, PANEL)
@@ -283,7 +298,11 @@ def panels_product(x, w, y, unit):
             for q in range(UNIT):
                 if first + q <= last_panel:
                     _write(y, _rows4_panel1(x, w, p[q], starts4), done, (p[q],), w.rows)
-            done = n_rows
+        elif n_rows - done == 1:  # one row: a panel at a time
+            for q in range(UNIT):
+                if first + q <= last_panel:
+                    _write(y, _row1_panel1(x, w, p[q], done * k), done, (p[q],), w.rows)
+        done = n_rows
     while n_rows - done > 4:
         starts = (_start(done, last, k), _start(done + 1, last, k), _start(done + 2, last, k),
                   _start(done + 3, last, k), _start(done + 4, last, k), _start(done + 5, last, k),
@@ -324,6 +343,7 @@ if AVAILABLE:
     _rows8_half = njit(fastmath=_FASTMATH, cache=True)(_rows8_half)
     _rows4_panel1 = njit(fastmath=_FASTMATH, cache=True)(_rows4_panel1)
     _write_half = njit(cache=True)(_write_half)
+    _row1_panel1 = njit(fastmath=_FASTMATH, cache=True)(_row1_panel1)
     _row1_panels4 = njit(fastmath=_FASTMATH, cache=True)(_row1_panels4)
     _write = njit(cache=True)(_write)
     panels_product = njit(fastmath=_FASTMATH, inline="always", cache=True)(panels_product)
