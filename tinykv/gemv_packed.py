@@ -16,11 +16,10 @@ decodes half as often but needs a broadcast load per multiply-add, and twice as 
 repeat it, panels past the last repeat it; neither is written. AVX2's 16 registers of 8 lanes
 hold only a quarter of that: there a panel goes by halves, 8 of its rows by 8 activation rows (8
 sums, each pair's weights decoded once for 8 rows), 2 to 4 rows a whole panel by 4 rows, and one
-row a panel at a time (over the default model's packed matrices on a Zen 3: 0.63x the time of
-the shapes above at 2 to 4 rows, 0.70x at 8 to 32, 0.57-0.79x at one row). Each call covers
-UNIT panels, the unit threads split; while it multiplies a block of 32 channels, the same block
-of the panels after it is prefetched into L2, so their reads overlap this arithmetic instead of
-following it (the README's speed section: the GEMV alone).
+row a panel at a time, each faster there than the shapes above (timed in the README's Zen 3
+section). Each call covers UNIT panels, the unit threads split; while it multiplies a block of
+32 channels, the same block of the panels after it is prefetched into L2, so their reads overlap
+this arithmetic instead of following it (the README's speed section: the GEMV alone).
 """
 
 from __future__ import annotations
